@@ -1,0 +1,112 @@
+"""zarrckpt: distributed PyTorch checkpoints as plain Zarr v3.
+
+The whole public API::
+
+    save(state_dict, path, *, process_group=None, overwrite=False, **options)
+    load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False)
+    load_state_dict(path, keys=None) -> dict of plain CPU tensors
+    open(path) -> Checkpoint          # torch-free reader
+    errors: ZarrckptError and its subclasses (zarrckpt.errors)
+
+torch is imported only when a function that needs it is called, so
+``import zarrckpt`` and ``zarrckpt.open`` work where torch is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    DTypeMismatchError,
+    FormatError,
+    IncompleteCheckpointError,
+    MissingKeysError,
+    SaveFailedError,
+    ShapeMismatchError,
+    StateDictMismatchError,
+    UnexpectedKeysError,
+    UnsupportedPlacementError,
+    UnsupportedValueError,
+    ZarrckptError,
+)
+from .reader import Checkpoint
+from .reader import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "DTypeMismatchError",
+    "FormatError",
+    "IncompleteCheckpointError",
+    "MissingKeysError",
+    "SaveFailedError",
+    "ShapeMismatchError",
+    "StateDictMismatchError",
+    "UnexpectedKeysError",
+    "UnsupportedPlacementError",
+    "UnsupportedValueError",
+    "ZarrckptError",
+    "__version__",
+    "load",
+    "load_state_dict",
+    "open",
+    "save",
+]
+
+
+def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
+         **options: Any) -> dict:
+    """Save ``state_dict`` to ``path``; every rank of ``process_group`` calls it (SPMD).
+
+    Leaves may be tensors, DTensors, ``bytes``, NumPy arrays, JSON-able values, or
+    Stateful objects (``state_dict()``/``load_state_dict()``). Returns this rank's
+    report (bytes written, seconds per phase). Options: see ``zarrckpt._save.SaveOptions``.
+    """
+    from ._save import SaveJob, SaveOptions, run_save
+
+    job = SaveJob(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
+    return run_save(job)
+
+
+def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool = True,
+         key_map: Any = None, cast: bool = False, report: dict | None = None) -> dict:
+    """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
+    placements and world size), set non-tensor values, call ``load_state_dict`` on
+    Stateful leaves, and return ``state_dict``.
+
+    ``key_map``: dict or callable from target key to checkpoint key (renamed modules).
+    ``cast``: convert saved dtypes to the target's (otherwise a mismatch is an error).
+    ``report``: a dict to fill with bytes read and seconds per phase.
+    """
+    from ._load import load as _load
+
+    return _load(state_dict, path, process_group=process_group, strict=strict,
+                 key_map=key_map, cast=cast, report=report)
+
+
+def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:
+    """One process, no preallocation: the nested state dict with plain CPU tensors
+    (all of it, or only ``keys`` — exact keys or prefixes such as ``"model"``)."""
+    from ._load import load_state_dict as _lsd
+
+    return _lsd(path, keys)
+
+
+def _register_zarr_dtypes() -> None:
+    # zarr-python 3.1 collects but does not load `zarr.data_type` entry points,
+    # so register bf16/fp8 as soon as zarrckpt is imported (cheap; no torch).
+    try:
+        from .interop.zarr_dtypes import register
+    except ImportError:  # pragma: no cover - zarr not installed
+        return
+    register()
+
+
+_register_zarr_dtypes()
