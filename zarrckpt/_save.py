@@ -42,6 +42,7 @@ from . import dtypes, format as fmt, tree as ztree
 from .errors import (
     CheckpointExistsError,
     SaveFailedError,
+    UnsupportedPlacementError,
     UnsupportedValueError,
     ZarrckptError,
 )
@@ -175,7 +176,10 @@ class SaveJob:
             lambda c, pg=g.pg: torch.distributed.get_global_rank(pg, c[0]))
         split = self.options.replica_split_bytes
         if zdist.is_dtensor(leaf):
-            mesh_shape, names, placements, mesh_t, device_type, coord = zdist.dtensor_info(leaf)
+            try:
+                mesh_shape, names, placements, mesh_t, device_type, coord = zdist.dtensor_info(leaf)
+            except UnsupportedPlacementError as e:
+                raise UnsupportedPlacementError(f"tensor {key!r}: {e}") from None
             dt = dtypes.by_torch(leaf.dtype)
             layout = Layout(tuple(leaf.shape), mesh_shape, placements, key=key,
                             replica_split_min_elems=None if split is None else split // dt.numpy.itemsize)

@@ -144,7 +144,7 @@ def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple
             out.append(LReplicate())
         elif isinstance(p, Partial):
             raise UnsupportedPlacementError(
-                f"placement {p} (a pending reduction) has no stored form: call "
+                f"placement Partial ({p!r}, a pending reduction) has no stored form: call "
                 "dtensor.redistribute(placements=[Replicate() ...]) or .full_tensor() first"
             )
         else:
