@@ -1,0 +1,19 @@
+"""Every script in examples/ runs (the README's first command runs one of them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")))
+def test_example_runs(script, tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "checkpoint at" in out.stdout
