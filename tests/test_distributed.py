@@ -260,3 +260,35 @@ def test_shape_mismatch_on_reshard(saved, clusters):
     path, _ = saved("w2-S0")
     msgs = clusters(2).run(rank_mismatch, path)
     assert all("model/w" in m and "(13, 10)" in m and "(8, 4)" in m for m in msgs)
+
+
+def rank_pipeline_stages(rank, world, path):
+    """Pipeline-parallel style: each rank holds different plain tensors and values."""
+    state = {"shared": torch.full((3,), 1.0), "step": 5,
+             "stage": {str(rank): {"w": torch.full((4, 4), float(rank)), "meta": rank}}}
+    return zarrckpt.save(state, path)["bytes_written"]
+
+
+def test_ranks_with_different_keys(tmp_path, clusters):
+    path = str(tmp_path / "ck")
+    written = clusters(2).run(rank_pipeline_stages, path)
+    assert sum(written) == 3 * 4 + 2 * 16 * 4
+    sd = zarrckpt.load_state_dict(path)
+    assert sd["step"] == 5 and torch.equal(sd["shared"], torch.ones(3))
+    for r in range(2):
+        assert torch.equal(sd["stage"][str(r)]["w"], torch.full((4, 4), float(r)))
+        assert sd["stage"][str(r)]["meta"] == r
+
+
+def rank_key_type_clash(rank, world, path):
+    state = {"s": {(0 if rank == 0 else "0"): torch.ones(2)}}
+    try:
+        zarrckpt.save(state, path)
+    except zarrckpt.ZarrckptError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_ranks_disagreeing_on_key_types_fail_cleanly(tmp_path, clusters):
+    msgs = clusters(2).run(rank_key_type_clash, str(tmp_path / "ck"))
+    assert all(m and "same stored name" in m for m in msgs), msgs

@@ -3,6 +3,7 @@
 The whole public API::
 
     save(state_dict, path, *, process_group=None, overwrite=False, **options)
+    async_save(...same...) -> SaveFuture   # blocks only for device->host staging
     load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False)
     load_state_dict(path, keys=None) -> dict of plain CPU tensors
     open(path) -> Checkpoint          # torch-free reader
@@ -54,6 +55,7 @@ __all__ = [
     "UnsupportedValueError",
     "ZarrckptError",
     "__version__",
+    "async_save",
     "load",
     "load_state_dict",
     "open",
@@ -73,6 +75,18 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
 
     job = SaveJob(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
     return run_save(job)
+
+
+def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
+               **options: Any):
+    """Like :func:`save`, but returns once the local shards are copied to (pinned, reused)
+    host buffers; writing and the commit finish in a background thread. Returns a
+    ``SaveFuture``: ``staged_seconds`` is the time training was blocked, ``result()``
+    waits for the commit and returns the report or raises. One save in flight at a time.
+    """
+    from ._async import async_save as _async_save
+
+    return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite, **options)
 
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool = True,

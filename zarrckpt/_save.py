@@ -1,4 +1,4 @@
-"""A save, phase by phase (spec §6 describes the commit rule these implement).
+"""A save, phase by phase (spec §7 describes the commit rule these implement).
 
 Phases and collectives, in order (``g`` is the process group; C = collective)::
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,9 +45,10 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
-from .layout import Layout, Replicate
-from .storage import Storage, StorageOptions
-from .storage._tensorstore import translate_error
+from .layout import ChunkWrite, Layout, Replicate, Send
+from .reader import wait_all
+from .staging import Arena, staged_nbytes, sync_devices
+from .storage import Array, Storage, StorageOptions
 
 log = logging.getLogger("zarrckpt")
 
@@ -63,12 +63,15 @@ class SaveOptions:
     inner_chunk_bytes: target size of the inner chunks that resharded loads read.
     replica_split_bytes: a replicated cell at least this big is split into chunks
         written by different replicas (None: one writer per cell).
+    max_staging_bytes: host memory a sync save of device tensors may use for
+        device->host staging (it streams through a buffer of this size).
     storage: TensorStore concurrency settings.
     """
 
     compression: str | dict | None = None
     inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES
     replica_split_bytes: int | None = 64 << 20
+    max_staging_bytes: int = 1 << 30
     storage: StorageOptions = field(default_factory=StorageOptions)
 
     @classmethod
@@ -131,10 +134,22 @@ class Item:
     layout: Layout
     coord: tuple[int, ...] | None
     rank_of: Callable[[tuple[int, ...]], int]  # coordinate -> global rank
-    source: Any  # tensor / ndarray holding this rank's local data
+    source: Any  # tensor / ndarray holding this rank's local data (None: not on this rank)
     metadata: dict[str, Any]
-    host: np.ndarray | None = None  # staged local data
-    chunks: list = field(default_factory=list)  # [(box, np.ndarray)] ready to write
+    writes: list[ChunkWrite] = field(default_factory=list)  # chunks this rank writes
+    sends: list[Send] = field(default_factory=list)  # pieces this rank sends to writers
+    assembled: dict = field(default_factory=dict)  # chunk index -> buffer built by exchange()
+    host: np.ndarray | None = None  # host copy/view of the local data
+
+    @property
+    def on_host(self) -> bool:
+        return not isinstance(self.source, torch.Tensor) or self.source.device.type == "cpu"
+
+    def host_view(self) -> np.ndarray:
+        """Zero-copy NumPy view of host-resident local data."""
+        if isinstance(self.source, torch.Tensor):
+            return dtypes.to_numpy(self.source.detach())
+        return self.source
 
 
 class SaveJob:
@@ -149,6 +164,7 @@ class SaveJob:
         self.storage = Storage(path, options.storage)
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
+        self.bytes_staged = 0
         self.save_id = fmt.new_save_id()
         self.created = fmt.utc_now()
         self._state = state_dict
@@ -167,6 +183,9 @@ class SaveJob:
             if is_array_leaf(leaf):
                 items.append(self._item(ztree.key_of(path), leaf))
         items.sort(key=lambda it: it.key)
+        for it in items:
+            if it.coord is not None:
+                it.writes, it.sends = it.layout.save_plan(it.coord)
         self.items = items
         self._timed("plan", t0)
 
@@ -225,17 +244,31 @@ class SaveJob:
         if not ok:
             self._fail(error, "planning the save")
         self.all_docs = {it.key: it.metadata for it in self.items}
+        self._gathered = None
         if not same:
-            gathered = self.g.gather_to_root((self.tree, self.all_docs))
-            if gathered is not None:
-                self.tree = _merge_trees([t for t, _ in gathered])
-                for _, docs in reversed(gathered):
-                    self.all_docs.update(docs)
+            # Slow path (e.g. pipeline stages hold different keys): rank 0 merges the
+            # trees in prepare(); plain arrays are written by the ranks that hold them.
+            self._gathered = self.g.gather_to_root((self.tree, self.all_docs))
+            held = self.g.all_gather(sorted(it.key for it in self.items if it.kind != "dtensor"))
+            for it in self.items:
+                if it.kind != "dtensor":
+                    self._restrict_to_holders(it, [r for r, keys in enumerate(held) if it.key in keys])
         self._timed("plan", t0)
 
-    def _fail(self, error: BaseException | None, what: str) -> None:
+    def _restrict_to_holders(self, it: Item, holders: list[int]) -> None:
+        """Replicate a plain array over the group ranks that hold it, not the whole group."""
+        g = self.g
+        split = self.options.replica_split_bytes
+        it.layout = Layout(it.layout.shape, (len(holders),), (Replicate(),), key=it.key,
+                           replica_split_min_elems=None if split is None else split // it.dtype.numpy.itemsize)
+        it.coord = (holders.index(g.rank),)
+        it.rank_of = (lambda c, hs=holders: hs[c[0]]) if g.pg is None else (
+            lambda c, hs=holders, pg=g.pg: torch.distributed.get_global_rank(pg, hs[c[0]]))
+        it.writes, it.sends = it.layout.save_plan(it.coord)
+
+    def _fail(self, error: BaseException | None, what: str, g: zdist.Group | None = None) -> None:
         """Slow path after a failed all_true: tell every rank who failed and why."""
-        msgs = self.g.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        msgs = (g or self.g).all_gather(None if error is None else f"{type(error).__name__}: {error}")
         bad = {r: m for r, m in enumerate(msgs) if m is not None}
         if error is not None:
             raise error
@@ -259,6 +292,10 @@ class SaveJob:
         self._timed("prepare", t0)
 
     def _prepare_rank0(self) -> None:
+        if self._gathered is not None:
+            self.tree = _merge_trees([t for t, _ in self._gathered])
+            for _, docs in reversed(self._gathered):
+                self.all_docs.update(docs)
         st = self.storage
         root = st.read_json("zarr.json") if st.exists() else None
         attrs = ((root or {}).get("attributes") or {}).get(fmt.ATTR)
@@ -299,94 +336,130 @@ class SaveJob:
             num_arrays=len(self.all_docs),
         )
 
-    def stage(self) -> None:
-        """Copy this rank's local shards to host memory (numpy views of CPU tensors)."""
-        t0 = time.perf_counter()
-        for it in self.items:
-            if it.coord is None or it.source is None:
-                continue
-            src = it.source
-            if isinstance(src, torch.Tensor):
-                if src.device.type != "cpu":
-                    src = src.detach().to("cpu")
-                it.host = dtypes.to_numpy(src.detach())
-            else:
-                it.host = src
-        self._timed("stage", t0)
-
     def exchange(self) -> None:
-        """Send boundary pieces to the writers of chunks that straddle shards; build the
-        list of (box, data) each rank writes."""
+        """Build chunks that straddle shards: send own pieces to their writers, receive
+        the pieces of chunks this rank writes (nested uneven layouts only)."""
         t0 = time.perf_counter()
-        sends, recvs, assemble = [], [], []
+        sends, recvs, fills = [], [], []
         for it in self.items:
             if it.coord is None:
                 continue
-            writes, pieces_out = it.layout.save_plan(it.coord)
-            for s in pieces_out:
+            for s in it.sends:
                 local = it.layout.to_local(it.coord, s.box)
-                piece = np.ascontiguousarray(it.host[_slices(local)])
-                sends.append((it.rank_of(s.dst), dtypes.from_numpy(piece, it.dtype)))
-            for w in writes:
+                piece = it.source[_slices(local)].detach().contiguous()
+                sends.append((it.rank_of(s.dst), piece))
+            for w in it.writes:
                 if len(w.sources) == 1 and w.sources[0][0] == it.coord:
-                    local = it.layout.to_local(it.coord, w.box)
-                    it.chunks.append((w.box, it.host[_slices(local)]))
-                    continue
+                    continue  # the common case: a chunk inside this rank's own shard
                 buf = np.empty([b - a for a, b in w.box], dtype=it.dtype.numpy)
                 for src, box in w.sources:
-                    dst_view = buf[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, w.box))]
+                    view = buf[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, w.box))]
                     if src == it.coord:
-                        dst_view[...] = it.host[_slices(it.layout.to_local(it.coord, box))]
+                        piece = it.source[_slices(it.layout.to_local(it.coord, box))].detach()
+                        view[...] = dtypes.to_numpy(piece.cpu().contiguous())
                     else:
-                        tmp = np.empty(dst_view.shape, dtype=it.dtype.numpy)
-                        recvs.append((it.rank_of(src), dtypes.from_numpy(tmp, it.dtype)))
-                        assemble.append((dst_view, tmp))
-                it.chunks.append((w.box, buf))
-        self.g.exchange(_as_bytes(sends), _as_bytes(recvs))
-        for dst_view, tmp in assemble:
-            dst_view[...] = tmp
+                        tmp = torch.empty(view.shape, dtype=dtypes.torch_dtype(it.dtype),
+                                          device=it.source.device if isinstance(it.source, torch.Tensor) else "cpu")
+                        recvs.append((it.rank_of(src), tmp))
+                        fills.append((view, tmp))
+                it.assembled[w.index] = buf
+        if sends or recvs:
+            self.g.exchange(_as_bytes(sends), _as_bytes(recvs))
+        for view, tmp in fills:
+            view[...] = dtypes.to_numpy(tmp.cpu())
         self._timed("exchange", t0)
 
-    def write(self) -> None:
-        """Write every chunk this rank owns and wait until it is durable. C2."""
+    def stage_all(self, arena: Arena) -> None:
+        """Async saves: copy every local shard this rank writes into the reused arena."""
+        t0 = time.perf_counter()
+        todo = [it for it in self.items if _needs_data(it)]
+        tensors = [it.source for it in todo if isinstance(it.source, torch.Tensor)]
+        arena.reserve(sum(staged_nbytes(t) for t in tensors))
+        for it in todo:
+            if isinstance(it.source, torch.Tensor):
+                _, it.host = arena.stage(it.source)
+            else:
+                it.host = np.array(it.source, copy=True)
+        sync_devices(tensors)
+        self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
+        self._timed("stage", t0)
+
+    def write(self, *, streaming: bool) -> BaseException | None:
+        """Write every chunk this rank owns and wait until it is durable.
+
+        ``streaming`` (sync saves): host-resident data is written straight from the
+        caller's tensors; device data goes through a bounded arena, batch by batch.
+        Returns the error (reported to all ranks by the caller).
+        """
         t0 = time.perf_counter()
         error = None
         try:
-            futures = []
-            for it in self.items:
-                if not it.chunks:
-                    continue
-                arr = self.storage.open_for_write(it.key, it.metadata).result()
-                from .storage import Array
-
-                a = Array(arr, it.key)
-                for box, data in it.chunks:
-                    futures.append((it.key, a.write(box, data, stable=True)))
-                    self.bytes_written += data.nbytes
-            for key, f in futures:
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001
-                    raise translate_error(e, key) from e
+            self._write(streaming)
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         for it in self.items:
-            it.chunks.clear()
+            it.assembled.clear()
+            it.host = None
         self._timed("write", t0)
-        if not self.g.all_true(error is None):
-            self._fail(error, "writing chunks")
+        return error
 
-    def commit(self) -> None:
+    def _write(self, streaming: bool) -> None:
+        todo = [it for it in self.items if it.writes]
+        # Open every array at once (no I/O: metadata is assumed), then write.
+        opened = [(it, self.storage.open_for_write(it.key, it.metadata)) for it in todo]
+        pending: list[tuple[str, Any]] = []
+        arena = None
+        if streaming and any(_needs_data(it) and not it.on_host for it in todo):
+            arena = Arena(self.options.max_staging_bytes)
+        for it, fut in opened:
+            arr = Array(fut.result(), it.key)
+            host = it.host
+            if host is None and _needs_data(it):
+                if it.on_host:
+                    host = it.host_view()
+                else:
+                    host = self._stream_stage(it, arena, pending)
+            for w in it.writes:
+                data = it.assembled.get(w.index)
+                if data is None:
+                    data = host[_slices(it.layout.to_local(it.coord, w.box))]
+                pending.append((it.key, arr.write(w.box, data, stable=True)))
+                self.bytes_written += data.nbytes
+        wait_all(pending)
+
+    def _stream_stage(self, it: Item, arena: Arena, pending: list) -> np.ndarray:
+        """Device data through a bounded arena: when full, wait for the writes using it."""
+        t0 = time.perf_counter()
+        need = staged_nbytes(it.source)
+        if need > arena.capacity:  # one tensor bigger than the bound: a buffer of its own
+            host = dtypes.to_numpy(it.source.detach().cpu())
+        else:
+            if not arena.fits(need):
+                wait_all(pending)
+                pending.clear()
+                arena.reset()
+            _, host = arena.stage(it.source)
+            sync_devices([it.source])
+        self._timed("stage", t0)
+        return host
+
+    def finish(self, error: BaseException | None, g: zdist.Group) -> None:
+        """C2 (all data durable) then commit and C3, over group ``g``."""
+        if not g.all_true(error is None):
+            self._fail(error, "writing chunks", g)
+        self.commit(g)
+
+    def commit(self, g: zdist.Group) -> None:
         """Rank 0 makes the checkpoint visible with one small write. C3."""
         t0 = time.perf_counter()
         error = None
-        if self.g.rank == 0:
+        if g.rank == 0:
             try:
                 self.storage.write_json("zarr.json", self._root("committed")).result()
             except BaseException as e:  # noqa: BLE001
                 error = e
-        if not self.g.all_true(error is None):
-            self._fail(error, "committing")
+        if not g.all_true(error is None):
+            self._fail(error, "committing", g)
         self._timed("commit", t0)
 
     def report(self) -> dict[str, Any]:
@@ -395,6 +468,7 @@ class SaveJob:
             "rank": self.g.rank,
             "arrays": len(self.items),
             "bytes_written": self.bytes_written,
+            "bytes_staged": self.bytes_staged,
             "seconds": dict(self.timings),
         }
 
@@ -421,16 +495,27 @@ def _merge_trees(trees: list[dict]) -> dict:
 
 def _merge_into(a: dict, b: dict) -> None:
     if "dict" in a and "dict" in b:
-        index = {json.dumps(k): pair for pair in a["dict"] for k in [pair[0]]}
+        index = {ztree.escape(pair[0]): pair for pair in a["dict"]}
         for k, node in b["dict"]:
-            mine = index.get(json.dumps(k))
+            mine = index.get(ztree.escape(k))
             if mine is None:
                 a["dict"].append([k, node])
+                index[ztree.escape(k)] = a["dict"][-1]
+            elif mine[0] != k or type(mine[0]) is not type(k):
+                raise UnsupportedValueError(
+                    f"ranks disagree on a key: {mine[0]!r} on one rank and {k!r} on another "
+                    f"map to the same stored name {ztree.escape(k)!r}")
             else:
                 _merge_into(mine[1], node)
 
 
-def run_save(job: SaveJob) -> dict[str, Any]:
+def _needs_data(it: Item) -> bool:
+    """Does this rank write a chunk straight from its own local data?"""
+    return any(w.index not in it.assembled for w in it.writes)
+
+
+def plan_and_prepare(job: SaveJob) -> None:
+    """The foreground part common to save and async_save: plan, C0, prepare, C1, exchange."""
     error = None
     try:
         job.plan()
@@ -439,13 +524,12 @@ def run_save(job: SaveJob) -> dict[str, Any]:
         job.tree, job.items = {}, []
     job.agree(error)
     job.prepare()
-    job.stage()
     job.exchange()
-    job.write()
-    job.commit()
+
+
+def run_save(job: SaveJob) -> dict[str, Any]:
+    plan_and_prepare(job)
+    job.finish(job.write(streaming=True), job.g)
     report = job.report()
     log.info("zarrckpt save %s: %s", report["path"], report)
     return report
-
-
-_ = threading  # async_save builds on these phases

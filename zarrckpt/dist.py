@@ -1,7 +1,7 @@
 """The only module that calls ``torch.distributed``.
 
 Every collective zarrckpt issues is one of the named functions below, so the
-number and order of collectives in a save or load can be read off ``api.py``.
+number and order of collectives in a save can be read off ``_save.py``.
 Without an initialised process group everything degrades to a world of one.
 """
 

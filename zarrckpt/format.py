@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
-from .errors import FormatError, IncompleteCheckpointError
+from .errors import FormatError, IncompleteCheckpointError, UnsupportedPlacementError, UnsupportedValueError
 from .layout import Placement, placement_from_json, placement_to_json
 
 __all__ = [
@@ -226,7 +227,8 @@ def parse_root(doc: dict[str, Any] | None, url: str) -> RootInfo:
         )
     _need(attrs.get("format") == FORMAT_NAME, where, f"format is {attrs.get('format')!r}")
     version = attrs.get("version")
-    _need(isinstance(version, str) and version.count(".") == 1, where, f"bad version {version!r}")
+    _need(isinstance(version, str) and re.fullmatch(r"\d+\.\d+", version) is not None, where,
+          f"bad version {version!r}")
     if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
         raise FormatError(
             f"{where}: format version {version} is not readable by this zarrckpt "
@@ -268,7 +270,10 @@ def parse_array(doc: dict[str, Any] | None, key: str, save_id: str | None = None
             f"{where} belongs to save {attrs.get('save_id')!r}, not to this checkpoint's save "
             f"{save_id!r}: the directory mixes two saves"
         )
-    dt = dtypes.by_zarr(doc.get("data_type"))
+    try:
+        dt = dtypes.by_zarr(doc.get("data_type"))
+    except UnsupportedValueError as e:
+        raise FormatError(f"{where}: {e}") from None
     _need(attrs.get("torch_dtype") in (None, dt.torch), where,
           f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
     kind = attrs.get("kind")
@@ -278,6 +283,9 @@ def parse_array(doc: dict[str, Any] | None, key: str, save_id: str | None = None
         mesh = attrs.get("mesh") or {}
         mesh_shape = tuple(mesh.get("shape") or ())
         names = tuple(mesh["dim_names"]) if mesh.get("dim_names") else None
-        placements = tuple(placement_from_json(p) for p in attrs.get("placements") or ())
+        try:
+            placements = tuple(placement_from_json(p) for p in attrs.get("placements") or ())
+        except (UnsupportedPlacementError, KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{where}: bad placement ({e})") from None
         _need(len(placements) == len(mesh_shape), where, "placements and mesh shape differ in length")
     return ArrayInfo(key, kind, tuple(shape), dt, tuple(chunk), mesh_shape, names, placements, doc)

@@ -3,7 +3,7 @@ the chunk grid that follows those parts, and who writes each chunk.
 
 No torch, no I/O. Everything is a function of (global shape, mesh shape,
 placements, coordinate), so every rank computes its own plan without talking
-to the others (spec §5 "Chunk grid and writers").
+to the others (spec §5.4 "Chunk grid", §8 "Writers").
 
 Index sets
     A placement acts on one tensor dimension, so the part a coordinate holds is
@@ -29,8 +29,11 @@ Chunk grid
 
 Writers
     Of a cell's ``R`` replicas, chunk ``i`` of tensor ``key`` is written by
-    replica ``(crc32(key) + i) mod R``: replicated data is written once, and
-    the work spreads over replicas.
+    replica ``(crc32(key) + i) mod R`` (``i`` the linear chunk index; see
+    :meth:`Layout._pick` for split cells): replicated data is written once, and
+    the work spreads over replicas. A replicated cell of at least
+    ``replica_split_min_elems`` elements is cut into ``k <= R`` chunks along its
+    longest dim (``k`` divides it) so that ``k`` replicas share its writing.
 """
 
 from __future__ import annotations
@@ -91,10 +94,13 @@ def placement_to_json(p: Placement) -> dict:
 
 def placement_from_json(j: dict) -> Placement:
     t = j.get("type") if isinstance(j, dict) else None
-    if t == "shard":
-        return Shard(int(j["dim"]))
-    if t == "strided_shard":
-        return StridedShard(int(j["dim"]), int(j["split_factor"]))
+    try:
+        if t == "shard":
+            return Shard(int(j["dim"]))
+        if t == "strided_shard":
+            return StridedShard(int(j["dim"]), int(j["split_factor"]))
+    except (KeyError, TypeError, ValueError):
+        raise UnsupportedPlacementError(f"malformed placement {j!r}") from None
     if t == "replicate":
         return Replicate()
     raise UnsupportedPlacementError(f"unknown placement {j!r}")
@@ -225,6 +231,7 @@ class Layout:
         self.replica_dims = tuple(i for i, p in enumerate(self.placements) if isinstance(p, Replicate))
         self.replicas = math.prod(self.mesh_shape[i] for i in self.replica_dims)
         self.key_hash = zlib.crc32(key.encode())
+        self.split: tuple[int, int] | None = None  # (dim, factor) of a replica split
         self.chunk_shape, self.aligned = self._grid(replica_split_min_elems)
         self.grid_shape = tuple(
             -(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape)
@@ -289,7 +296,9 @@ class Layout:
             if math.prod(chunk) >= split_min:
                 d = max(range(len(chunk)), key=lambda i: chunk[i])
                 k = max((k for k in range(2, self.replicas + 1) if chunk[d] % k == 0), default=1)
-                chunk[d] //= k
+                if k > 1:
+                    chunk[d] //= k
+                    self.split = (d, k)
         return tuple(chunk), tuple(aligned)
 
     def chunk_box(self, index: Sequence[int]) -> Box:
@@ -297,11 +306,18 @@ class Layout:
             (i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape)
         )
 
-    def _linear(self, index: Sequence[int]) -> int:
+    def _pick(self, index: Sequence[int]) -> int:
+        """Replica choice key of a chunk: ``crc32(key) + L`` where ``L`` is the C-order
+        linear index of the chunk's cell in the cell grid, times the split factor ``k``,
+        plus the chunk's position inside its cell along the split dim (spec §8). Chunks
+        of one split cell thus go to ``k`` different replicas."""
+        d, k = self.split if self.split else (-1, 1)
         lin = 0
-        for i, g in zip(index, self.grid_shape):
+        for dim, (i, g) in enumerate(zip(index, self.grid_shape)):
+            if dim == d:
+                i, g = i // k, -(-g // k)
             lin = lin * g + i
-        return lin
+        return self.key_hash + lin * k + (index[d] % k if k > 1 else 0)
 
     def _replica(self, sharded: dict[int, int], pick: int) -> Coord:
         """The coordinate of replica ``pick % R`` of the cell fixed by ``sharded`` mesh coords."""
@@ -331,7 +347,7 @@ class Layout:
         """Writer of chunk ``index`` and the (source coord, box) pieces that make it up."""
         box = self.chunk_box(index)
         pieces_per_dim = [self._pieces(d, lo, hi) for d, (lo, hi) in enumerate(box)]
-        pick = self.key_hash + self._linear(index)
+        pick = self._pick(index)
 
         def sharded_coords(combo) -> dict[int, int]:
             out: dict[int, int] = {}

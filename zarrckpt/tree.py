@@ -52,7 +52,10 @@ def escape(component: str | int) -> str:
             f"dict key {component!r} of type {type(component).__name__}: keys must be str or int"
         )
     if isinstance(component, int):
-        return str(component)
+        s = str(component)
+        if len(s) > _MAX_COMPONENT_BYTES:
+            raise UnsupportedValueError(f"integer key of {len(s)} digits is too long for a path segment")
+        return s
     if component == "":
         return "%"
     if component == "zarr.json":
@@ -85,7 +88,10 @@ def unescape(segment: str) -> str:
     while i < len(segment):
         ch = segment[i]
         if ch == "%":
-            raw += bytes.fromhex(segment[i + 1 : i + 3])
+            hx = segment[i + 1 : i + 3]
+            if len(hx) != 2 or not all(c in "0123456789ABCDEF" for c in hx):
+                raise FormatError(f"bad escape {segment[i:i + 3]!r} in stored name {segment!r}")
+            raw += bytes.fromhex(hx)
             i += 3
         else:
             raw += ch.encode()
@@ -110,7 +116,7 @@ def flatten(
     are dicts with str/int keys, lists and tuples; an empty container is a
     leaf of its own (so both sides of a load agree on it).
     """
-    if isinstance(obj, dict) and obj:
+    if isinstance(obj, dict) and (obj or not prefix):
         for k, v in obj.items():
             escape(k)  # validates the key type early
             yield from flatten(v, is_array, prefix + (k,))
@@ -221,7 +227,9 @@ def decode_tree(node: Any, load_array: Callable[[str], Any], where: str = "tree"
 def tree_keys(node: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, dict[str, Any]]]:
     """Yield ``(key path, leaf node)`` of a stored tree, descending into plain JSON too."""
     ((kind, body),) = node.items()
-    if kind == "dict":
+    if kind in ("dict", "list", "tuple") and not body and prefix:
+        yield prefix, node  # an empty container is a leaf, as in flatten()
+    elif kind == "dict":
         for k, v in body:
             yield from tree_keys(v, prefix + (k,))
     elif kind in ("list", "tuple"):

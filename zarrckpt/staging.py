@@ -1,0 +1,92 @@
+"""Host staging buffers: device -> host copies into memory that is reused.
+
+``Arena`` is one flat uint8 host tensor (page-locked when CUDA is present, so
+device copies run at full PCIe/NVLink-C2C speed and asynchronously) carved into
+aligned typed views. Async saves keep one arena per process and reuse it for
+every save, so host memory stays flat across saves; it only grows when the
+state grows. Sync saves and loads use a bounded arena and stream through it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from . import dtypes
+
+__all__ = ["Arena", "shared_arena"]
+
+_ALIGN = 64
+
+
+def _pin() -> bool:
+    return torch.cuda.is_available()
+
+
+class Arena:
+    def __init__(self, capacity: int = 0) -> None:
+        self.pinned = _pin()
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._offset = 0
+        self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` (reallocates only when growing; resets the arena)."""
+        if nbytes > self.capacity:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._offset = 0
+
+    def reset(self) -> None:
+        self._offset = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return _aligned(self._offset) + nbytes <= self.capacity
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor view of the next free bytes."""
+        start = _aligned(self._offset)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        if start + nbytes > self.capacity:
+            raise MemoryError(f"arena of {self.capacity} bytes cannot take {nbytes} more")
+        self._offset = start + nbytes
+        return self._buf[start:start + nbytes].view(dtype).view(shape)
+
+    def stage(self, src: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """Copy ``src`` (any device) into the arena without waiting; returns the host tensor
+        and its NumPy view. Call :func:`sync` before reading the data."""
+        dst = self.take(tuple(src.shape), src.dtype)
+        dst.copy_(src.detach(), non_blocking=self.pinned and src.device.type == "cuda")
+        return dst, dtypes.to_numpy(dst)
+
+
+def staged_nbytes(t: torch.Tensor) -> int:
+    return _aligned(t.numel() * t.element_size())
+
+
+def sync_devices(tensors) -> None:
+    """Wait for asynchronous device->host copies issued by :meth:`Arena.stage`."""
+    if any(t.device.type == "cuda" for t in tensors):
+        torch.cuda.synchronize()
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+_SHARED: Arena | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_arena() -> Arena:
+    """The process's arena for async saves (at most one async save stages at a time)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = Arena()
+        return _SHARED
