@@ -295,7 +295,9 @@ class Layout:
             # dim by its largest divisor k <= R so chunks stay on the cell grid.
             if math.prod(chunk) >= split_min:
                 d = max(range(len(chunk)), key=lambda i: chunk[i])
-                k = max((k for k in range(2, self.replicas + 1) if chunk[d] % k == 0), default=1)
+                # ... and never below split_min / 8 elements per chunk
+                cap = min(self.replicas, math.prod(chunk) // max(split_min // 8, 1))
+                k = max((k for k in range(2, cap + 1) if chunk[d] % k == 0), default=1)
                 if k > 1:
                     chunk[d] //= k
                     self.split = (d, k)

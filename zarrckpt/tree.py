@@ -210,7 +210,7 @@ def decode_tree(node: Any, load_array: Callable[[str], Any], where: str = "tree"
     if kind == "dict":
         if not isinstance(body, list):
             raise FormatError(f"{where}: 'dict' must hold a list of [key, node] pairs")
-        out = {}
+        out: dict = {}
         for pair in body:
             if (
                 not isinstance(pair, list)
@@ -219,6 +219,8 @@ def decode_tree(node: Any, load_array: Callable[[str], Any], where: str = "tree"
                 or not isinstance(pair[0], (str, int))
             ):
                 raise FormatError(f"{where}: bad dict entry {pair!r:.80}")
+            if pair[0] in out:
+                raise FormatError(f"{where}: duplicate key {pair[0]!r}")
             out[pair[0]] = decode_tree(pair[1], load_array, f"{where}/{pair[0]}")
         return out
     raise FormatError(f"{where}: unknown node kind {kind!r}")
