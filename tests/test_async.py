@@ -104,3 +104,11 @@ def test_async_save_does_not_deadlock_with_training_collectives(tmp_path, cluste
         sd = zarrckpt.load_state_dict(tmp_path / f"s{step}")
         assert sd["step"] == step
         assert torch.equal(sd["w"], torch.arange(4000, dtype=torch.float32).reshape(40, 100) + step)
+
+
+def test_load_streams_cast_targets_through_bounded_buffer(tmp_path):
+    state = {f"w{i}": torch.randn(64, 64).to(torch.bfloat16) for i in range(6)}
+    zarrckpt.save(state, tmp_path / "c")
+    target = {k: torch.zeros(64, 64) for k in state}  # fp32 targets: staged, then cast
+    zarrckpt.load(target, tmp_path / "c", cast=True, max_staging_bytes=20 << 10)
+    assert all(torch.equal(target[k], v.float()) for k, v in state.items())

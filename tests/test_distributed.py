@@ -292,3 +292,34 @@ def rank_key_type_clash(rank, world, path):
 def test_ranks_disagreeing_on_key_types_fail_cleanly(tmp_path, clusters):
     msgs = clusters(2).run(rank_key_type_clash, str(tmp_path / "ck"))
     assert all(m and "same stored name" in m for m in msgs), msgs
+
+
+def rank_save_big_rows(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024)  # 8 MiB
+    zarrckpt.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, path)
+
+
+def rank_load_columns(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    t = distribute_tensor(torch.zeros(2048, 1024), mesh, [Shard(1)])
+    rep = {}
+    zarrckpt.load({"w": t}, path, report=rep)
+    full = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024)
+    assert torch.equal(t.full_tensor(), full)
+    return rep
+
+
+def test_resharded_load_fetches_only_what_it_needs(tmp_path, clusters):
+    path = str(tmp_path / "ck")
+    clusters(2).run(rank_save_big_rows, path)
+    reps = clusters(2).run(rank_load_columns, path)
+    for rep in reps:
+        assert rep["bytes_read"] == 2048 * 512 * 4
+        assert rep["bytes_fetched"] <= 1.1 * rep["bytes_read"], rep

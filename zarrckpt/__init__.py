@@ -90,19 +90,22 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
 
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool = True,
-         key_map: Any = None, cast: bool = False, report: dict | None = None) -> dict:
+         key_map: Any = None, cast: bool = False, report: dict | None = None,
+         max_staging_bytes: int = 1 << 30) -> dict:
     """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
     placements and world size), set non-tensor values, call ``load_state_dict`` on
     Stateful leaves, and return ``state_dict``.
 
     ``key_map``: dict or callable from target key to checkpoint key (renamed modules).
     ``cast``: convert saved dtypes to the target's (otherwise a mismatch is an error).
-    ``report``: a dict to fill with bytes read and seconds per phase.
+    ``report``: a dict to fill with bytes needed/fetched and seconds per phase.
+    ``max_staging_bytes``: host buffer for device targets and casts (streamed through).
     """
     from ._load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
-                 key_map=key_map, cast=cast, report=report)
+                 key_map=key_map, cast=cast, report=report,
+                 max_staging_bytes=max_staging_bytes)
 
 
 def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:

@@ -32,6 +32,9 @@ from .errors import (
 )
 from .layout import Layout, Replicate
 from .reader import Checkpoint, wait_all
+from .staging import Arena, sync_devices
+from .storage import Array
+from .storage._tensorstore import translate_error
 
 log = logging.getLogger("zarrckpt")
 
@@ -62,6 +65,7 @@ def load(
     key_map: KeyMap = None,
     cast: bool = False,
     report: dict | None = None,
+    max_staging_bytes: int = 1 << 30,
 ) -> dict:
     t0 = time.perf_counter()
     ckpt = Checkpoint(path)
@@ -120,32 +124,16 @@ def load(
 
     # ---- read ------------------------------------------------------------------
     t1 = time.perf_counter()
-    futures, copies, nbytes = [], [], 0
-    arrays = {}
+    reader = _Reads(ckpt, max_staging_bytes)
+    todo = []
     for kp, leaf, ck in tensor_targets:
-        info = infos[ck]
         boxes, local = _target_boxes(leaf, g)
-        if local is None:
-            continue
-        if ck not in arrays:
-            arrays[ck] = ckpt.open_array(ck)
-        arr = arrays[ck]
-        direct = local.device.type == "cpu" and local.dtype == dtypes.torch_dtype(info.dtype)
-        if direct:
-            dst = dtypes.to_numpy(local.detach())
-        else:
-            dst = np.empty(tuple(local.shape), dtype=info.dtype.numpy)
-            copies.append((local, dst, info.dtype))
-        for gbox, lbox in boxes:
-            if any(a == b for a, b in gbox):
-                continue
-            view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
-            futures.append((ck, arr.read_into(gbox, view)))
-            nbytes += view.nbytes
-    wait_all(futures)
-    with torch.no_grad():
-        for local, buf, row in copies:
-            local.copy_(dtypes.from_numpy(buf, row))
+        if local is not None and boxes:
+            todo.append((ck, boxes, local))
+    reader.open({ck for ck, _, _ in todo}, infos)
+    for ck, boxes, local in todo:
+        reader.add(ck, infos[ck], boxes, local)
+    reader.finish()
     t_read = time.perf_counter() - t1
 
     # ---- values and Stateful --------------------------------------------------
@@ -154,13 +142,97 @@ def load(
             continue
         resolved = ztree.set_at(resolved, kp, _load_value(ckpt, ck))
     _apply(state_dict, resolved)
-    rep = {"path": ckpt.url, "rank": g.rank, "bytes_read": nbytes,
+    rep = {"path": ckpt.url, "rank": g.rank, "bytes_read": reader.bytes_needed,
+           "bytes_fetched": reader.bytes_fetched,
            "missing": missing, "unexpected": unexpected,
            "seconds": {"plan": t_plan, "read": t_read, "total": time.perf_counter() - t0}}
     log.info("zarrckpt load %s: %s", ckpt.url, rep)
     if report is not None:
         report.update(rep)
     return state_dict
+
+
+class _Reads:
+    """Region reads of one load: straight into CPU targets of the saved dtype; through a
+    bounded (pinned) arena for device targets and casts, batch by batch."""
+
+    def __init__(self, ckpt: Checkpoint, max_staging_bytes: int) -> None:
+        self.ckpt = ckpt
+        self.arena = None
+        self.max_staging_bytes = max_staging_bytes
+        self.arrays: dict[str, Any] = {}
+        self.pending: list[tuple[str, Any]] = []  # reads in flight
+        self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
+        self.bytes_needed = 0
+        self.bytes_fetched = 0
+
+    def open(self, keys: set[str], infos: dict) -> None:
+        """Open every array at once (metadata already read: no I/O)."""
+        st = self.ckpt.storage
+        futs = {k: st.open_for_read(self.ckpt.node(k)["array"], infos[k].metadata) for k in keys}
+        for k, f in futs.items():
+            try:
+                self.arrays[k] = Array(f.result(), k)
+            except Exception as e:  # noqa: BLE001
+                raise translate_error(e, k) from e
+
+    def add(self, key: str, info: Any, boxes: list, local: torch.Tensor) -> None:
+        saved = dtypes.torch_dtype(info.dtype)
+        if local.device.type == "cpu" and local.dtype == saved:
+            dst = dtypes.to_numpy(local.detach())
+        else:
+            dst = self._staging(tuple(local.shape), saved, local)
+        arr = self.arrays[key]
+        inner = _read_unit(info)
+        for gbox, lbox in boxes:
+            if any(a == b for a, b in gbox):
+                continue
+            view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
+            self.pending.append((key, arr.read_into(gbox, view)))
+            self.bytes_needed += view.nbytes
+            self.bytes_fetched += _fetched(gbox, inner, info.shape) * view.itemsize
+
+    def _staging(self, shape, dtype, target: torch.Tensor) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        if self.arena is None:
+            self.arena = Arena(self.max_staging_bytes)
+        if nbytes > self.arena.capacity:
+            buf = torch.empty(shape, dtype=dtype, pin_memory=self.arena.pinned)
+        else:
+            if not self.arena.fits(nbytes):
+                self._flush()
+            buf = self.arena.take(shape, dtype)
+        self.batch.append((target, buf))
+        return dtypes.to_numpy(buf)
+
+    def _flush(self) -> None:
+        wait_all(self.pending)
+        self.pending.clear()
+        with torch.no_grad():
+            for target, buf in self.batch:
+                target.copy_(buf, non_blocking=True)
+        sync_devices([t for t, _ in self.batch])
+        self.batch.clear()
+        if self.arena is not None:
+            self.arena.reset()
+
+    def finish(self) -> None:
+        self._flush()
+
+
+def _read_unit(info: Any) -> tuple[int, ...]:
+    """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
+    for c in info.metadata.get("codecs", []):
+        if c.get("name") == "sharding_indexed":
+            return tuple(c["configuration"]["chunk_shape"])
+    return info.chunk_shape
+
+
+def _fetched(box, unit, shape) -> int:
+    n = 1
+    for (a, b), u, size in zip(box, unit, shape):
+        n *= min(-(-b // u) * u, size) - (a // u) * u
+    return n
 
 
 def _load_value(ckpt: Checkpoint, key: str) -> Any:
