@@ -148,7 +148,8 @@ class Item:
     def host_view(self) -> np.ndarray:
         """Zero-copy NumPy view of host-resident local data."""
         if isinstance(self.source, torch.Tensor):
-            return dtypes.to_numpy(self.source.detach())
+            src = self.source.detach() if self.source.requires_grad else self.source
+            return dtypes.to_numpy(src)
         return self.source
 
 
@@ -165,8 +166,9 @@ class SaveJob:
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
         self.bytes_staged = 0
+        # rank 0's values reach every rank through C0 (agree())
         self.save_id = fmt.new_save_id()
-        self.created = fmt.utc_now()
+        self.created_us = int(time.time() * 1e6)
         self._state = state_dict
 
     # ---- phases -------------------------------------------------------------
@@ -240,7 +242,12 @@ class SaveJob:
         t0 = time.perf_counter()
         payload = b"" if error else json.dumps(
             [self.tree, {it.key: it.metadata for it in self.items}], sort_keys=True).encode()
-        ok, same = self.g.check(error is None, payload)
+        ids = [int(self.save_id[:15], 16), int(self.save_id[15:30], 16), self.created_us]
+        ok, same, ids = self.g.check(error is None, payload, ids)
+        self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
+        self.created = fmt.utc_from_us(ids[2])
+        for it in self.items:
+            it.metadata["attributes"][fmt.ATTR]["save_id"] = self.save_id
         if not ok:
             self._fail(error, "planning the save")
         self.all_docs = {it.key: it.metadata for it in self.items}
@@ -312,18 +319,17 @@ class SaveJob:
             )
         # From here on the directory is ours: a committed or interrupted zarrckpt save.
         if root is not None:
-            st.write_json("zarr.json", self._root("pending")).result()  # un-commit first
+            st.write_json("zarr.json", self._root("pending"), atomic=True).result()  # un-commit first
             st.clear()
         st.make_dir()
-        st.write_json("zarr.json", self._root("pending")).result()
+        st.write_json("zarr.json", self._root("pending"), atomic=True).result()
+        # Array zarr.json files are written by each array's metadata writer in write(),
+        # spreading thousands of small writes over the ranks; rank 0 writes the groups.
         futures = []
         groups = set()
-        for key, doc in self.all_docs.items():
+        for key in self.all_docs:
             parts = key.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-            doc = json.loads(json.dumps(doc))
-            doc["attributes"][fmt.ATTR]["save_id"] = self.save_id
-            futures.append(st.write_json(f"{key}/zarr.json", doc))
         for grp in groups:
             futures.append(st.write_json(f"{grp}/zarr.json", fmt.group_metadata()))
         for f in futures:
@@ -404,28 +410,39 @@ class SaveJob:
         return error
 
     def _write(self, streaming: bool) -> None:
+        pending: list[tuple[str, Any]] = [
+            (it.key, self.storage.write_json(f"{it.key}/zarr.json", it.metadata))
+            for it in self.items if it.coord is not None and it.layout.metadata_writer() == it.coord
+        ]
         todo = [it for it in self.items if it.writes]
-        # Open every array at once (no I/O: metadata is assumed), then write.
-        opened = [(it, self.storage.open_for_write(it.key, it.metadata)) for it in todo]
-        pending: list[tuple[str, Any]] = []
+        # Open every array that needs TensorStore at once (no I/O: metadata is assumed).
+        opened = [(it, None if _all_small(it) else self.storage.open_for_write(it.key, it.metadata))
+                  for it in todo]
         arena = None
         if streaming and any(_needs_data(it) and not it.on_host for it in todo):
             arena = Arena(self.options.max_staging_bytes)
         for it, fut in opened:
-            arr = Array(fut.result(), it.key)
+            arr = None
             host = it.host
             if host is None and _needs_data(it):
                 if it.on_host:
                     host = it.host_view()
                 else:
                     host = self._stream_stage(it, arena, pending)
+            small = _plain_codecs(it.metadata)
             for w in it.writes:
                 data = it.assembled.get(w.index)
                 if data is None:
                     data = host[_slices(it.layout.to_local(it.coord, w.box))]
-                pending.append((it.key, arr.write(w.box, data, stable=True)))
+                if small and data.nbytes <= SMALL_CHUNK_BYTES and data.shape == it.layout.chunk_shape:
+                    pending.append((it.key, self.storage.write_plain_chunk(it.key, w.index, data)))
+                else:
+                    if arr is None:
+                        arr = Array((fut or self.storage.open_for_write(it.key, it.metadata)).result(), it.key)
+                    pending.append((it.key, arr.write(w.box, data, stable=True)))
                 self.bytes_written += data.nbytes
         wait_all(pending)
+        self.storage.flush()  # one syncfs for everything this rank wrote
 
     def _stream_stage(self, it: Item, arena: Arena, pending: list) -> np.ndarray:
         """Device data through a bounded arena: when full, wait for the writes using it."""
@@ -455,7 +472,8 @@ class SaveJob:
         error = None
         if g.rank == 0:
             try:
-                self.storage.write_json("zarr.json", self._root("committed")).result()
+                self.storage.write_json("zarr.json", self._root("committed"), atomic=True).result()
+                self.storage.flush()
             except BaseException as e:  # noqa: BLE001
                 error = e
         if not g.all_true(error is None):
@@ -507,6 +525,21 @@ def _merge_into(a: dict, b: dict) -> None:
                     f"map to the same stored name {ztree.escape(k)!r}")
             else:
                 _merge_into(mine[1], node)
+
+
+SMALL_CHUNK_BYTES = 1 << 20
+_PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def _plain_codecs(metadata: dict) -> bool:
+    return metadata["codecs"] == _PLAIN
+
+
+def _all_small(it: Item) -> bool:
+    """Every chunk of this rank goes through the small-chunk fast path."""
+    return _plain_codecs(it.metadata) and all(
+        tuple(b - a for a, b in w.box) == it.layout.chunk_shape for w in it.writes
+    ) and np.prod(it.layout.chunk_shape) * it.dtype.numpy.itemsize <= SMALL_CHUNK_BYTES
 
 
 def _needs_data(it: Item) -> bool:

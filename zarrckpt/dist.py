@@ -47,14 +47,17 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return int(t.item()) == 0
 
-    def check(self, ok: bool, payload: bytes) -> tuple[bool, bool]:
-        """One all-reduce: (``ok`` on every rank, same ``payload`` on every rank)."""
+    def check(self, ok: bool, payload: bytes, root_values: Sequence[int] = ()) -> tuple[bool, bool, list[int]]:
+        """One all-reduce: (``ok`` on every rank, same ``payload`` on every rank, rank 0's
+        ``root_values`` — non-negative ints below 2**62 — on every rank)."""
         if not self.active:
-            return ok, True
+            return ok, True, list(root_values)
         h = int.from_bytes(hashlib.blake2b(payload, digest_size=7).digest(), "little")
-        t = torch.tensor([0 if ok else 1, h, -h], dtype=torch.int64, device=self._device())
+        mine = list(root_values) if self.rank == 0 else [0] * len(root_values)
+        t = torch.tensor([0 if ok else 1, h, -h, *mine], dtype=torch.int64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-        return int(t[0]) == 0, int(t[1]) == -int(t[2])
+        vals = [int(v) for v in t.tolist()]
+        return vals[0] == 0, vals[1] == -vals[2], vals[3:]
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
         """Objects of all ranks on rank 0 (None elsewhere). Only used on slow paths."""

@@ -277,8 +277,11 @@ class Layout:
 
     def partition(self, d: int) -> tuple[tuple[Run, tuple[int, ...]], ...]:
         """All runs along tensor dim ``d`` with the sharding-mesh coordinates holding them."""
-        return _partition(self.shape[d], tuple(
-            (self.placements[i], self.mesh_shape[i]) for i in self.sharding[d]))
+        cache = self.__dict__.setdefault("_partitions", {})
+        if d not in cache:
+            cache[d] = _partition(self.shape[d], tuple(
+                (self.placements[i], self.mesh_shape[i]) for i in self.sharding[d]))
+        return cache[d]
 
     # ---- chunk grid ---------------------------------------------------------
 
@@ -366,6 +369,12 @@ class Layout:
             src = writer if holds else self._replica(sc, pick)
             sources.append((src, tuple(r for r, _ in combo)))
         return writer, sources
+
+    def metadata_writer(self) -> Coord:
+        """The coordinate that writes the array's ``zarr.json``: the writer of chunk 0."""
+        if any(s == 0 for s in self.shape):
+            return self._replica({i: 0 for dims in self.sharding for i in dims}, self.key_hash)
+        return self._chunk_plan(tuple(0 for _ in self.shape))[0]
 
     def _chunks_touching(self, coord: Coord) -> Iterator[tuple[int, ...]]:
         per_dim = []
