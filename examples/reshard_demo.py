@@ -75,7 +75,7 @@ def load_column_sharded(rank: int, world: int, port: int, path: str) -> None:
     for k, v in target["model"].items():
         assert torch.equal(v.full_tensor(), reference[k]), k
     if rank == 0:
-        print(f"[load, 2 ranks, Shard(1)] read {report['bytes_read']} bytes on rank 0; "
+        print(f"[load, 2 ranks, Shard(1)] read {report['bytes_needed']} bytes on rank 0; "
               "matches the saved model bit for bit")
     dist.destroy_process_group()
 

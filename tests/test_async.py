@@ -41,12 +41,13 @@ def test_one_save_in_flight(tmp_path):
 
 
 def test_background_error_surfaces_and_nothing_is_committed(tmp_path, monkeypatch):
-    from zarrckpt.storage import Array
+    from zarrckpt.storage import Array, Storage
 
-    def broken(self, box, data, *, stable):
+    def broken(self, *args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(Array, "write", broken)
+    monkeypatch.setattr(Array, "write", broken)  # chunks through TensorStore
+    monkeypatch.setattr(Storage, "write_plain_chunk", broken)  # small-chunk fast path
     fut = zarrckpt.async_save({"x": torch.ones(10)}, tmp_path / "c")
     with pytest.raises(OSError, match="disk on fire"):
         fut.result(timeout=60)
@@ -72,7 +73,7 @@ def test_sync_save_streams_device_data_through_a_bounded_buffer(tmp_path, monkey
 
     monkeypatch.setattr(staging.Arena, "stage", spy)
     state = {f"w{i}": torch.randn(64, 64) for i in range(6)}  # 16 KiB each
-    zarrckpt.save(state, tmp_path / "c", max_staging_bytes=40 << 10)
+    zarrckpt.save(state, tmp_path / "c", max_staging_bytes=40 << 10, pack_bytes=0)
     assert len(taken) == 6 and all(cap == 40 << 10 for cap, _ in taken)
     out = zarrckpt.load_state_dict(tmp_path / "c")
     assert all(torch.equal(out[k], v) for k, v in state.items())

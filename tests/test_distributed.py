@@ -135,7 +135,11 @@ def saved(tmp_path_factory, clusters):
 def test_save_writes_each_byte_once(saved, save_layout):
     path, reports = saved(save_layout)
     total = sum(v.numel() * v.element_size() for v in global_state().values())
-    assert sum(r["bytes_written"] for r in reports) == total
+    written = sum(r["bytes_written"] for r in reports)
+    if LAYOUTS[save_layout][1] is None:  # small plain tensors are packed, 8-byte aligned
+        assert total <= written < total + 8 * len(SHAPES)
+    else:
+        assert written == total
     # every chunk file exists exactly where the grid says, read back by TensorStore
     ck = zarrckpt.open(path)
     for k, v in global_state().items():
@@ -155,6 +159,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def test_chunks_follow_save_layout(saved, save_layout):
     path, _ = saved(save_layout)
     world, mesh_shape, spec = LAYOUTS[save_layout]
+    if mesh_shape is None:  # small plain tensors live in per-rank packs
+        ck = zarrckpt.open(path)
+        assert all(ck.is_packed(f"model/{k}") for k in SHAPES)
+        assert sorted(os.listdir(os.path.join(path, ".packs"))) == ["0", "1", "zarr.json"]
+        return
     with open(os.path.join(path, "model", "w", "zarr.json")) as f:
         meta = json.load(f)
     chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
@@ -321,5 +330,5 @@ def test_resharded_load_fetches_only_what_it_needs(tmp_path, clusters):
     clusters(2).run(rank_save_big_rows, path)
     reps = clusters(2).run(rank_load_columns, path)
     for rep in reps:
-        assert rep["bytes_read"] == 2048 * 512 * 4
-        assert rep["bytes_fetched"] <= 1.1 * rep["bytes_read"], rep
+        assert rep["bytes_needed"] == 2048 * 512 * 4
+        assert rep["bytes_fetched"] <= 1.1 * rep["bytes_needed"], rep

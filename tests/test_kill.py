@@ -40,19 +40,21 @@ def rank_main(rank: int, world: int, port: int, root: str, q) -> None:
     zarrckpt.save(sharded(state(1)), f"{root}/step1")
     q.put((rank, "saved step1"))
     if rank == 1:
-        from zarrckpt.storage import Array
+        from zarrckpt.storage import Array, Storage
 
-        real_write = Array.write
         calls = {"n": 0}
 
-        def write_then_die(self, box, data, *, stable):
-            fut = real_write(self, box, data, stable=stable)
-            calls["n"] += 1
-            if calls["n"] == 3:  # some chunks issued, most not
-                os.kill(os.getpid(), signal.SIGKILL)
-            return fut
+        def then_die(real):
+            def write(*args, **kwargs):
+                fut = real(*args, **kwargs)
+                calls["n"] += 1
+                if calls["n"] == 3:  # some chunks issued, most not
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return fut
+            return write
 
-        Array.write = write_then_die
+        Array.write = then_die(Array.write)
+        Storage.write_plain_chunk = then_die(Storage.write_plain_chunk)
     try:
         zarrckpt.save(sharded(state(2)), f"{root}/step2")
         q.put((rank, "saved step2"))

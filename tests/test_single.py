@@ -18,6 +18,7 @@ from zarrckpt import dtypes
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
           torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+DTYPES += [getattr(torch, n) for n in ("float8_e8m0fnu", "uint16", "uint32", "uint64", "complex128") if hasattr(torch, n)]
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -35,16 +36,22 @@ def sample(dt: torch.dtype, shape=(5, 7)) -> torch.Tensor:
     return torch.randint(0, 100, shape, generator=g).to(dt)
 
 
+@pytest.mark.parametrize("pack_bytes", [0, 64 << 10], ids=["arrays", "packed"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
-def test_dtype_round_trip(tmp_path, dt):
+def test_dtype_round_trip(tmp_path, dt, pack_bytes):
     t = sample(dt)
-    zarrckpt.save({"t": t, "scalar": sample(dt, ()), "empty": sample(dt, (0, 3))}, tmp_path / "c")
+    zarrckpt.save({"t": t, "scalar": sample(dt, ()), "empty": sample(dt, (0, 3))}, tmp_path / "c",
+                  pack_bytes=pack_bytes)
     sd = zarrckpt.load_state_dict(tmp_path / "c")
     for k, v in {"t": t, "scalar": sample(dt, ()), "empty": sample(dt, (0, 3))}.items():
         assert sd[k].dtype == dt and sd[k].shape == v.shape
         np.testing.assert_array_equal(bits(sd[k]), bits(v))
-    meta = json.loads((tmp_path / "c" / "t" / "zarr.json").read_text())
-    assert meta["attributes"]["zarrckpt"]["torch_dtype"] == str(dt).removeprefix("torch.")
+    if pack_bytes == 0:
+        meta = json.loads((tmp_path / "c" / "t" / "zarr.json").read_text())
+        assert meta["attributes"]["zarrckpt"]["torch_dtype"] == str(dt).removeprefix("torch.")
+    else:
+        assert zarrckpt.open(tmp_path / "c").is_packed("t")
+        assert not (tmp_path / "c" / "t").exists()
 
 
 def test_values_round_trip_without_pickle(tmp_path):

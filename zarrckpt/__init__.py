@@ -34,6 +34,7 @@ from .errors import (
     ZarrckptError,
 )
 from .reader import Checkpoint
+from .storage import StorageOptions
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "MissingKeysError",
     "SaveFailedError",
+    "StorageOptions",
     "ShapeMismatchError",
     "StateDictMismatchError",
     "UnexpectedKeysError",

@@ -142,7 +142,7 @@ def load(
             continue
         resolved = ztree.set_at(resolved, kp, _load_value(ckpt, ck))
     _apply(state_dict, resolved)
-    rep = {"path": ckpt.url, "rank": g.rank, "bytes_read": reader.bytes_needed,
+    rep = {"path": ckpt.url, "rank": g.rank, "bytes_needed": reader.bytes_needed,
            "bytes_fetched": reader.bytes_fetched,
            "missing": missing, "unexpected": unexpected,
            "seconds": {"plan": t_plan, "read": t_read, "total": time.perf_counter() - t0}}
@@ -169,7 +169,8 @@ class _Reads:
     def open(self, keys: set[str], infos: dict) -> None:
         """Open every array at once (metadata already read: no I/O)."""
         st = self.ckpt.storage
-        futs = {k: st.open_for_read(self.ckpt.node(k)["array"], infos[k].metadata) for k in keys}
+        futs = {k: st.open_for_read(self.ckpt.node(k)["array"], infos[k].metadata)
+                for k in keys if not self.ckpt.is_packed(k)}
         for k, f in futs.items():
             try:
                 self.arrays[k] = Array(f.result(), k)
@@ -182,6 +183,14 @@ class _Reads:
             dst = dtypes.to_numpy(local.detach())
         else:
             dst = self._staging(tuple(local.shape), saved, local)
+        if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
+            full = self.ckpt.read(key)
+            for gbox, lbox in boxes:
+                view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
+                view[...] = full[tuple(slice(a, b) for a, b in gbox)] if gbox else full
+                self.bytes_needed += view.nbytes
+                self.bytes_fetched += view.nbytes
+            return
         arr = self.arrays[key]
         inner = _read_unit(info)
         for gbox, lbox in boxes:

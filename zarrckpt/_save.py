@@ -65,6 +65,8 @@ class SaveOptions:
         written by different replicas (None: one writer per cell).
     max_staging_bytes: host memory a sync save of device tensors may use for
         device->host staging (it streams through a buffer of this size).
+    pack_bytes: plain (non-DTensor) leaves up to this size are packed into one array
+        per rank instead of one array each (0 disables packing).
     storage: TensorStore concurrency settings.
     """
 
@@ -72,6 +74,7 @@ class SaveOptions:
     inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES
     replica_split_bytes: int | None = 64 << 20
     max_staging_bytes: int = 1 << 30
+    pack_bytes: int = 64 << 10
     storage: StorageOptions = field(default_factory=StorageOptions)
 
     @classmethod
@@ -250,8 +253,10 @@ class SaveJob:
             it.metadata["attributes"][fmt.ATTR]["save_id"] = self.save_id
         if not ok:
             self._fail(error, "planning the save")
-        self.all_docs = {it.key: it.metadata for it in self.items}
         self._gathered = None
+        if same and self.options.pack_bytes > 0:
+            self._pack_small()
+        self.all_docs = {it.key: it.metadata for it in self.items}
         if not same:
             # Slow path (e.g. pipeline stages hold different keys): rank 0 merges the
             # trees in prepare(); plain arrays are written by the ranks that hold them.
@@ -261,6 +266,58 @@ class SaveJob:
                 if it.kind != "dtensor":
                     self._restrict_to_holders(it, [r for r, keys in enumerate(held) if it.key in keys])
         self._timed("plan", t0)
+
+    def _pack_small(self) -> None:
+        """Replace small plain leaves by slices of per-rank pack arrays (spec §6.5).
+
+        Thousands of tiny arrays cost two files each (``zarr.json`` + chunk), and file
+        creation dominates such saves; packed, they cost two files per rank. Every rank
+        holds every plain leaf, so every rank computes the same assignment: greedy by
+        size over the ranks, in key order, so packs are balanced and deterministic.
+        """
+        small = [it for it in self.items
+                 if it.kind in ("tensor", "ndarray", "bytes")
+                 and _nbytes(it) <= self.options.pack_bytes]
+        if len(small) < 2:
+            return
+        loads = [0] * self.g.size
+        packs: list[list[Item]] = [[] for _ in range(self.g.size)]
+        for it in small:
+            r = min(range(self.g.size), key=lambda i: (loads[i], i))
+            packs[r].append(it)
+            loads[r] += -(-_nbytes(it) // PACK_ALIGN) * PACK_ALIGN
+        nodes: dict[str, dict] = {}
+        new_items = []
+        for r, members in enumerate(packs):
+            if not members:
+                continue
+            pack_key = f"{fmt.PACKS}/{r}"
+            buf = np.zeros(loads[r], dtype=np.uint8) if r == self.g.rank else None
+            offset = 0
+            for it in members:
+                n = _nbytes(it)
+                nodes[it.key] = {"packed": {
+                    "pack": pack_key, "offset": offset, "nbytes": n, "kind": it.kind,
+                    "data_type": it.dtype.zarr, "shape": list(it.layout.shape)}}
+                if buf is not None and n:
+                    src = it.host_view()
+                    buf[offset:offset + n] = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+                offset += -(-n // PACK_ALIGN) * PACK_ALIGN
+            row = dtypes.by_zarr("uint8")
+            layout = Layout((loads[r],), (1,), (Replicate(),), key=pack_key)
+            attrs = fmt.array_attrs(kind="pack", save_id=self.save_id, dtype=row)
+            item = Item(pack_key, "pack", row, layout, (0,) if r == self.g.rank else None,
+                        lambda c, r=r: self._global(r), buf, self._metadata(pack_key, layout, row, attrs))
+            if item.coord is not None:
+                item.writes, item.sends = layout.save_plan(item.coord)
+            new_items.append(item)
+        packed = {it.key for it in small}
+        self.items = [it for it in self.items if it.key not in packed] + new_items
+        self.tree = _replace_arrays(self.tree, nodes)
+
+    def _global(self, group_rank: int) -> int:
+        g = self.g
+        return group_rank if g.pg is None else torch.distributed.get_global_rank(g.pg, group_rank)
 
     def _restrict_to_holders(self, it: Item, holders: list[int]) -> None:
         """Replicate a plain array over the group ranks that hold it, not the whole group."""
@@ -487,7 +544,7 @@ class SaveJob:
             "arrays": len(self.items),
             "bytes_written": self.bytes_written,
             "bytes_staged": self.bytes_staged,
-            "seconds": dict(self.timings),
+            "seconds": {**self.timings, "total": sum(self.timings.values())},
         }
 
 
@@ -528,6 +585,23 @@ def _merge_into(a: dict, b: dict) -> None:
 
 
 SMALL_CHUNK_BYTES = 1 << 20
+PACK_ALIGN = 8
+
+
+def _nbytes(it: Item) -> int:
+    return int(np.prod(it.layout.shape, dtype=np.int64)) * it.dtype.numpy.itemsize
+
+
+def _replace_arrays(node: dict, nodes: dict[str, dict]) -> dict:
+    """The tree with ``{"array": key}`` leaves swapped for ``nodes[key]``."""
+    ((kind, body),) = node.items()
+    if kind == "array":
+        return nodes.get(body, node)
+    if kind == "dict":
+        return {"dict": [[k, _replace_arrays(v, nodes)] for k, v in body]}
+    if kind in ("list", "tuple"):
+        return {kind: [_replace_arrays(v, nodes) for v in body]}
+    return node
 _PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 

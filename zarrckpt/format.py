@@ -32,6 +32,7 @@ __all__ = [
 FORMAT_NAME = "zarrckpt"
 FORMAT_VERSION = "1.0"  # major.minor; readers refuse another major
 ATTR = "zarrckpt"  # the attributes member holding zarrckpt's metadata
+PACKS = ".packs"  # group of pack arrays; no escaped key starts with "." (spec §4)
 
 # An array is stored with the sharding codec when its write unit (outer chunk)
 # holds at least two inner chunks of this many bytes; inner chunks are what a
@@ -254,6 +255,24 @@ def parse_root(doc: dict[str, Any] | None, url: str) -> RootInfo:
                     dict(attrs.get("writer") or {}), tree, doc)
 
 
+def parse_packed(desc: Any, key: str) -> ArrayInfo:
+    """Validate a ``packed`` tree node into the ArrayInfo of the leaf it holds."""
+    where = f"packed leaf {key!r}"
+    _need(isinstance(desc, dict), where, "descriptor must be an object")
+    for name, typ in (("pack", str), ("offset", int), ("nbytes", int), ("kind", str),
+                      ("data_type", str), ("shape", list)):
+        _need(isinstance(desc.get(name), typ), where, f"'{name}' missing or not a {typ.__name__}")
+    _need(desc["kind"] in ("tensor", "bytes", "ndarray"), where, f"unknown kind {desc['kind']!r}")
+    try:
+        dt = dtypes.by_zarr(desc["data_type"])
+    except UnsupportedValueError as e:
+        raise FormatError(f"{where}: {e}") from None
+    shape = tuple(desc["shape"])
+    _need(all(isinstance(s, int) and s >= 0 for s in shape), where, f"bad shape {shape}")
+    _need(math.prod(shape) * dt.numpy.itemsize == desc["nbytes"], where, "nbytes disagrees with shape")
+    return ArrayInfo(key, desc["kind"], shape, dt, shape, None, None, None, {})
+
+
 def parse_array(doc: dict[str, Any] | None, key: str, save_id: str | None = None) -> ArrayInfo:
     from .errors import CorruptChunkError
 
@@ -282,7 +301,7 @@ def parse_array(doc: dict[str, Any] | None, key: str, save_id: str | None = None
     _need(attrs.get("torch_dtype") in (None, dt.torch), where,
           f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
     kind = attrs.get("kind")
-    _need(kind in ("tensor", "dtensor", "bytes", "ndarray"), where, f"unknown kind {kind!r}")
+    _need(kind in ("tensor", "dtensor", "bytes", "ndarray", "pack"), where, f"unknown kind {kind!r}")
     mesh_shape = names = placements = None
     if kind == "dtensor":
         mesh = attrs.get("mesh") or {}

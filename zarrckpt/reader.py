@@ -37,6 +37,7 @@ class Checkpoint:
         for path_, node in ztree.tree_keys(self.info.tree):
             self._leaves[ztree.key_of(path_)] = (path_, node)
         self._arrays: dict[str, fmt.ArrayInfo] = {}
+        self._packs: dict[str, np.ndarray] = {}
 
     # ---- keys ---------------------------------------------------------------
 
@@ -45,7 +46,8 @@ class Checkpoint:
         return list(self._leaves)
 
     def array_keys(self) -> list[str]:
-        return [k for k, (_, n) in self._leaves.items() if "array" in n]
+        """Keys whose values are arrays (stored as their own array, or packed)."""
+        return [k for k, (_, n) in self._leaves.items() if "array" in n or "packed" in n]
 
     def __contains__(self, key: object) -> bool:
         return key in self._leaves
@@ -63,7 +65,11 @@ class Checkpoint:
             raise KeyError(f"no key {key!r} in checkpoint {self.url!r}") from None
 
     def is_array(self, key: str) -> bool:
-        return "array" in self.node(key)
+        node = self.node(key)
+        return "array" in node or "packed" in node
+
+    def is_packed(self, key: str) -> bool:
+        return "packed" in self.node(key)
 
     # ---- metadata -----------------------------------------------------------
 
@@ -76,7 +82,11 @@ class Checkpoint:
         todo = [k for k in keys if k not in self._arrays]
         futures = []
         for k in todo:
-            array_path = self.node(k).get("array")
+            node = self.node(k)
+            if "packed" in node:
+                self._arrays[k] = fmt.parse_packed(node["packed"], k)
+                continue
+            array_path = node.get("array")
             if array_path is None:
                 raise KeyError(f"{k!r} is a value, not an array")
             futures.append((k, self.storage.kv.read(f"{array_path}/zarr.json")))
@@ -94,6 +104,8 @@ class Checkpoint:
     # ---- data ---------------------------------------------------------------
 
     def open_array(self, key: str) -> Array:
+        if self.is_packed(key):
+            raise ValueError(f"{key!r} is packed inside {self.node(key)['packed']['pack']!r}; use read()")
         info = self.array_info(key)
         try:
             return Array(self.storage.open_for_read(self.node(key)["array"], info.metadata).result(), key)
@@ -107,6 +119,8 @@ class Checkpoint:
     def read(self, key: str) -> Any:
         """One leaf: an ndarray (ml_dtypes for bf16/fp8), ``bytes``, or the stored value."""
         node = self.node(key)
+        if "packed" in node:
+            return self._read_packed(node["packed"], key)
         if "array" not in node:
             return ztree.decode_tree(node, _no_array, key)
         info = self.array_info(key)
@@ -114,12 +128,38 @@ class Checkpoint:
         wait_all([(key, self.open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
         return out.tobytes() if info.kind == "bytes" else out
 
+    def _read_packed(self, desc: dict, key: str) -> Any:
+        """A packed leaf: its bytes of the pack array (each pack is read once, then cached)."""
+        info = fmt.parse_packed(desc, key)
+        pack = self._packs.get(desc["pack"])
+        if pack is None:
+            doc = self.storage.read_json(f"{desc['pack']}/zarr.json")
+            pinfo = fmt.parse_array(doc, desc["pack"], self.info.save_id)
+            pack = np.empty(pinfo.shape, dtype=np.uint8)
+            arr = Array(self.storage.open_for_read(desc["pack"], pinfo.metadata).result(), desc["pack"])
+            wait_all([(desc["pack"], arr.read_into(((0, pinfo.shape[0]),), pack))])
+            self._packs[desc["pack"]] = pack
+        start, n = desc["offset"], desc["nbytes"]
+        if start < 0 or start + n > pack.shape[0]:
+            raise FormatError(f"packed leaf {key!r}: bytes {start}..{start + n} outside pack "
+                              f"{desc['pack']!r} of {pack.shape[0]} bytes")
+        raw = pack[start:start + n]
+        if info.kind == "bytes":
+            return raw.tobytes()
+        return raw.copy().view(info.dtype.numpy).reshape(info.shape)
+
     def to_dict(self, keys: Iterable[str] | None = None,
                 load_array: Callable[[str], Any] | None = None) -> dict:
         """The nested state dict (or the part under ``keys``: exact keys or prefixes)."""
         tree = self.info.tree if keys is None else self._prune(list(keys))
         by_array = {n["array"]: k for k, (_, n) in self._leaves.items() if "array" in n}
-        return ztree.decode_tree(tree, lambda a: (load_array or self.read)(by_array[a]))
+        by_packed = {id(n["packed"]): k for k, (_, n) in self._leaves.items() if "packed" in n}
+
+        def leaf(body: Any) -> Any:
+            key = by_packed[id(body)] if isinstance(body, dict) else by_array[body]
+            return (load_array or self.read)(key)
+
+        return ztree.decode_tree(tree, leaf)
 
     def _prune(self, wanted: list[str]) -> dict:
         for w in wanted:

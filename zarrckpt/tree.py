@@ -132,6 +132,8 @@ def flatten(
 # node := {"dict": [[key, node], ...]}     key: JSON string or integer
 #       | {"list": [node, ...]} | {"tuple": [node, ...]}
 #       | {"array": "<array path>"}        tensor, bytes or ndarray stored as an array
+#       | {"packed": {"pack", "offset", "nbytes", "kind", "data_type", "shape"}}
+#                                          a small one stored inside a pack array
 #       | {"json": <JSON value>}           a subtree of plain JSON (finite floats only)
 #       | {"float": "nan" | "inf" | "-inf"}
 
@@ -197,6 +199,10 @@ def decode_tree(node: Any, load_array: Callable[[str], Any], where: str = "tree"
     if kind == "array":
         if not isinstance(body, str):
             raise FormatError(f"{where}: 'array' must name an array path, found {body!r:.80}")
+        return load_array(body)
+    if kind == "packed":
+        if not isinstance(body, dict) or not isinstance(body.get("pack"), str):
+            raise FormatError(f"{where}: 'packed' must describe a slice of a pack array")
         return load_array(body)
     if kind == "float":
         if body not in ("nan", "inf", "-inf"):
