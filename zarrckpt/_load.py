@@ -31,7 +31,8 @@ from .errors import (
     UnexpectedKeysError,
 )
 from .layout import Layout, Replicate
-from .reader import Checkpoint, wait_all
+from ._io import InFlight
+from .reader import Checkpoint
 from .staging import Arena, sync_devices
 from .storage import Array
 from .storage._tensorstore import translate_error
@@ -161,7 +162,7 @@ class _Reads:
         self.arena = None
         self.max_staging_bytes = max_staging_bytes
         self.arrays: dict[str, Any] = {}
-        self.pending: list[tuple[str, Any]] = []  # reads in flight
+        self.pending = InFlight(max_staging_bytes)  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.bytes_needed = 0
         self.bytes_fetched = 0
@@ -197,7 +198,7 @@ class _Reads:
             if any(a == b for a, b in gbox):
                 continue
             view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
-            self.pending.append((key, arr.read_into(gbox, view)))
+            self.pending.add(key, arr.read_into(gbox, view), view.nbytes)
             self.bytes_needed += view.nbytes
             self.bytes_fetched += _fetched(gbox, inner, info.shape) * view.itemsize
 
@@ -215,8 +216,7 @@ class _Reads:
         return dtypes.to_numpy(buf)
 
     def _flush(self) -> None:
-        wait_all(self.pending)
-        self.pending.clear()
+        self.pending.wait()
         with torch.no_grad():
             for target, buf in self.batch:
                 target.copy_(buf, non_blocking=True)

@@ -46,7 +46,7 @@ from .errors import (
     ZarrckptError,
 )
 from .layout import ChunkWrite, Layout, Replicate, Send
-from .reader import wait_all
+from ._io import InFlight
 from .staging import Arena, staged_nbytes, sync_devices
 from .storage import Array, Storage, StorageOptions
 
@@ -65,6 +65,8 @@ class SaveOptions:
         written by different replicas (None: one writer per cell).
     max_staging_bytes: host memory a sync save of device tensors may use for
         device->host staging (it streams through a buffer of this size).
+    max_inflight_bytes: bytes of chunk writes in flight at once (TensorStore holds an
+        encoded shard in memory while writing it).
     pack_bytes: plain (non-DTensor) leaves up to this size are packed into one array
         per rank instead of one array each (0 disables packing).
     storage: TensorStore concurrency settings.
@@ -75,6 +77,7 @@ class SaveOptions:
     replica_split_bytes: int | None = 64 << 20
     max_staging_bytes: int = 1 << 30
     pack_bytes: int = 64 << 10
+    max_inflight_bytes: int = 1 << 30
     storage: StorageOptions = field(default_factory=StorageOptions)
 
     @classmethod
@@ -467,17 +470,18 @@ class SaveJob:
         return error
 
     def _write(self, streaming: bool) -> None:
-        pending: list[tuple[str, Any]] = [
-            (it.key, self.storage.write_json(f"{it.key}/zarr.json", it.metadata))
-            for it in self.items if it.coord is not None and it.layout.metadata_writer() == it.coord
-        ]
+        pending = InFlight(self.options.max_inflight_bytes)
+        for it in self.items:
+            if it.coord is not None and it.layout.metadata_writer() == it.coord:
+                pending.add(it.key, self.storage.write_json(f"{it.key}/zarr.json", it.metadata), 0)
         todo = [it for it in self.items if it.writes]
         # Open every array that needs TensorStore at once (no I/O: metadata is assumed).
         opened = [(it, None if _all_small(it) else self.storage.open_for_write(it.key, it.metadata))
                   for it in todo]
         arena = None
-        if streaming and any(_needs_data(it) and not it.on_host for it in todo):
-            arena = Arena(self.options.max_staging_bytes)
+        device = [it.source for it in todo if _needs_data(it) and not it.on_host]
+        if streaming and device:
+            arena = Arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device))))
         for it, fut in opened:
             arr = None
             host = it.host
@@ -492,16 +496,17 @@ class SaveJob:
                 if data is None:
                     data = host[_slices(it.layout.to_local(it.coord, w.box))]
                 if small and data.nbytes <= SMALL_CHUNK_BYTES and data.shape == it.layout.chunk_shape:
-                    pending.append((it.key, self.storage.write_plain_chunk(it.key, w.index, data)))
+                    pending.add(it.key, self.storage.write_plain_chunk(it.key, w.index, data), data.nbytes)
                 else:
                     if arr is None:
                         arr = Array((fut or self.storage.open_for_write(it.key, it.metadata)).result(), it.key)
-                    pending.append((it.key, arr.write(w.box, data, stable=True)))
+                    pending.add(it.key, arr.write(w.box, data, stable=True), data.nbytes)
                 self.bytes_written += data.nbytes
-        wait_all(pending)
+        pending.wait()
+        del arena  # pinned memory is not kept past the save
         self.storage.flush()  # one syncfs for everything this rank wrote
 
-    def _stream_stage(self, it: Item, arena: Arena, pending: list) -> np.ndarray:
+    def _stream_stage(self, it: Item, arena: Arena, pending: InFlight) -> np.ndarray:
         """Device data through a bounded arena: when full, wait for the writes using it."""
         t0 = time.perf_counter()
         need = staged_nbytes(it.source)
@@ -509,8 +514,7 @@ class SaveJob:
             host = dtypes.to_numpy(it.source.detach().cpu())
         else:
             if not arena.fits(need):
-                wait_all(pending)
-                pending.clear()
+                pending.wait()
                 arena.reset()
             _, host = arena.stage(it.source)
             sync_devices([it.source])

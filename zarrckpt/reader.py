@@ -22,6 +22,7 @@ from . import tree as ztree
 from .errors import CorruptChunkError, FormatError
 from .storage import Array, Storage, StorageOptions
 from .storage._tensorstore import translate_error
+from ._io import wait_all
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -186,18 +187,6 @@ class Checkpoint:
 
 def _no_array(key: str) -> Any:  # pragma: no cover - values never hold arrays
     raise FormatError(f"value node refers to array {key!r}")
-
-
-def wait_all(futures: list[tuple[str, Any]]) -> None:
-    """Wait for (key, future) pairs; the first failure becomes a zarrckpt error naming its key."""
-    first = None
-    for key, f in futures:
-        try:
-            f.result()
-        except Exception as e:  # noqa: BLE001
-            first = first or translate_error(e, key)
-    if first is not None:
-        raise first
 
 
 def open_checkpoint(path: str | os.PathLike, **storage_options: Any) -> Checkpoint:
