@@ -93,7 +93,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool = True,
          key_map: Any = None, cast: bool = False, report: dict | None = None,
-         max_staging_bytes: int = 1 << 30) -> dict:
+         max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20) -> dict:
     """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
     placements and world size), set non-tensor values, call ``load_state_dict`` on
     Stateful leaves, and return ``state_dict``.
@@ -102,12 +102,13 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     ``cast``: convert saved dtypes to the target's (otherwise a mismatch is an error).
     ``report``: a dict to fill with bytes needed/fetched and seconds per phase.
     ``max_staging_bytes``: host buffer for device targets and casts (streamed through).
+    ``max_inflight_bytes``: bytes of reads in flight (TensorStore buffers whole shards).
     """
     from ._load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
-                 max_staging_bytes=max_staging_bytes)
+                 max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes)
 
 
 def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:

@@ -67,6 +67,7 @@ def load(
     cast: bool = False,
     report: dict | None = None,
     max_staging_bytes: int = 1 << 30,
+    max_inflight_bytes: int = 256 << 20,
 ) -> dict:
     t0 = time.perf_counter()
     ckpt = Checkpoint(path)
@@ -125,7 +126,7 @@ def load(
 
     # ---- read ------------------------------------------------------------------
     t1 = time.perf_counter()
-    reader = _Reads(ckpt, max_staging_bytes)
+    reader = _Reads(ckpt, max_staging_bytes, max_inflight_bytes)
     todo = []
     for kp, leaf, ck in tensor_targets:
         boxes, local = _target_boxes(leaf, g)
@@ -157,12 +158,12 @@ class _Reads:
     """Region reads of one load: straight into CPU targets of the saved dtype; through a
     bounded (pinned) arena for device targets and casts, batch by batch."""
 
-    def __init__(self, ckpt: Checkpoint, max_staging_bytes: int) -> None:
+    def __init__(self, ckpt: Checkpoint, max_staging_bytes: int, max_inflight_bytes: int) -> None:
         self.ckpt = ckpt
         self.arena = None
         self.max_staging_bytes = max_staging_bytes
         self.arrays: dict[str, Any] = {}
-        self.pending = InFlight(max_staging_bytes)  # reads in flight
+        self.pending = InFlight(max_inflight_bytes)  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.bytes_needed = 0
         self.bytes_fetched = 0

@@ -77,7 +77,7 @@ class SaveOptions:
     replica_split_bytes: int | None = 64 << 20
     max_staging_bytes: int = 1 << 30
     pack_bytes: int = 64 << 10
-    max_inflight_bytes: int = 1 << 30
+    max_inflight_bytes: int = 256 << 20
     storage: StorageOptions = field(default_factory=StorageOptions)
 
     @classmethod
