@@ -42,6 +42,9 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
     msd, osd = get_state_dict(model, optim)
     ref = {k: v.full_tensor().cpu() for k, v in msd.items()}
 
+    small = torch.arange(10, device="cuda")  # a plain CUDA tensor: packed (copied to host)
+    zarrckpt.save({"small": small}, f"{path}/small")
+    assert torch.equal(zarrckpt.load_state_dict(f"{path}/small")["small"], small.cpu())
     fut = zarrckpt.async_save({"model": msd, "optim": osd}, f"{path}/async")
     assert staging.shared_arena().pinned
     with torch.no_grad():  # training continues; the checkpoint keeps the old values

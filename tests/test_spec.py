@@ -1,8 +1,9 @@
 """spec/format.md and its JSON Schema twin, checked against what zarrckpt writes.
 
-The checks walk the files on disk (never the library's reader) and re-derive the spec's rules
-(escaping §4, chunk presence §5.3, chunk grid §5.4, inner chunks §5.5, tree §6) from the text
-of the spec, so that a change in either the code or the spec that breaks the other fails here.
+The checks walk the files on disk (never the library's reader; data is read with zarr-python
+alone) and re-derive the spec's rules (escaping §4, chunk presence §5.3, chunk grid §5.4, inner
+chunks §5.5, tree §6, packed leaves §6.5, commit §7, writers §8) from the text of the spec, so
+that a change in either the code or the spec that breaks the other fails here.
 """
 
 from __future__ import annotations
@@ -127,6 +128,28 @@ def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] 
 FILL_VALUES = {"bool": False, "complex64": [0.0, 0.0], "complex128": [0.0, 0.0], "float8_e8m0fnu": "NaN"}
 
 
+PACK_PATH = re.compile(r"\.packs/(0|[1-9][0-9]*)")
+
+
+def spec_numpy_dtype(data_type: str) -> np.dtype:
+    """§5.2 name -> little-endian NumPy dtype (ml_dtypes for bfloat16 / float8)."""
+    import ml_dtypes
+
+    special = data_type.startswith(("bfloat", "float8"))
+    return np.dtype(getattr(ml_dtypes, data_type) if special else data_type).newbyteorder("<")
+
+
+def spec_packing(leaves: list[tuple[str, int]], world: int) -> dict[str, tuple[int, int]]:
+    """§6.5 (informative) assignment: ``[(key, nbytes)]`` -> ``{key: (pack n, offset)}``."""
+    lengths = [0] * world
+    out = {}
+    for key, nbytes in sorted(leaves):
+        n = min(range(world), key=lambda i: (lengths[i], i))
+        out[key] = (n, lengths[n])
+        lengths[n] += -(-nbytes // 8) * 8
+    return out
+
+
 # ------------------------------------------------------------------ reading a checkpoint off disk
 
 
@@ -154,20 +177,25 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
     assert_valid(None, root_doc["attributes"]["zarrckpt"], "root attributes (top-level schema)")
     attrs = root_doc["attributes"]["zarrckpt"]
     assert attrs["state"] == "committed"
+    assert re.fullmatch(r"[0-9a-f]{30}", attrs["save_id"]), attrs["save_id"]  # §6.1: zarrckpt writes 30
 
     leaves = list(spec_leaves(attrs["tree"]))
     array_nodes = {path: node["array"] for path, node in leaves if "array" in node}
+    packed_nodes = {path: node["packed"] for path, node in leaves if "packed" in node}
     arrays = {rel: d for rel, d in docs.items() if d.get("node_type") == "array"}
     groups = {rel for rel, d in docs.items() if rel and d.get("node_type") == "group"}
+    packs = {rel for rel in arrays if rel.startswith(".")}
 
-    # §6.1 num_arrays, §6.2 array node value = key of its key path (§4.2, re-derived)
-    assert attrs["num_arrays"] == len(array_nodes) == len(arrays)
+    # §6.1 num_arrays: array nodes plus pack arrays; §6.2 array node value = key of its key path
+    assert attrs["num_arrays"] == len(array_nodes) + len(packs) == len(arrays)
     for path, apath in array_nodes.items():
         assert apath == spec_key(path), f"key path {path!r}: array node says {apath!r}"
-    assert set(array_nodes.values()) == set(arrays)
+    # §6.5: the packs are exactly the arrays that packed nodes name, at .packs/<n>
+    assert set(array_nodes.values()) | {d["pack"] for d in packed_nodes.values()} == set(arrays)
+    assert all(PACK_PATH.fullmatch(p) for p in packs), packs
     # §4.4: distinct leaves, distinct keys
     assert len({spec_key(p) for p, _ in leaves}) == len(leaves)
-    # §6.4: intermediate groups are exactly the proper prefixes of array paths
+    # §6.4: intermediate groups are exactly the proper prefixes of array paths (.packs included)
     prefixes = {"/".join(a.split("/")[:i]) for a in arrays for i in range(1, a.count("/") + 1)}
     assert groups == prefixes
     for g in groups:
@@ -183,13 +211,16 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
         assert doc["fill_value"] == FILL_VALUES.get(doc["data_type"], 0), where  # §5.2
         leaf = apath.rsplit("/", 1)[-1]
         assert doc["dimension_names"] == [f"{leaf}.{d}" for d in range(len(doc["shape"]))], where
+        assert (a["kind"] == "pack") == (apath in packs), where             # §5.6, §6.5
         if a["kind"] == "dtensor":
             assert len(a["placements"]) == len(a["mesh"]["shape"]), where
-        if a["kind"] == "bytes":
+        if a["kind"] in ("bytes", "pack"):
             assert doc["data_type"] == "uint8" and len(doc["shape"]) == 1, where
         shape = doc["shape"]
         chunk = doc["chunk_grid"]["configuration"]["chunk_shape"]
         assert len(chunk) == len(shape), where
+        if a["kind"] == "pack":                                              # §5.4: one chunk
+            assert chunk == [max(shape[0], 1)] and shape[0] % 8 == 0, where
         # §5.5: sharded exactly when the inner chunk rule says so
         itemsize = zdtypes.by_zarr(doc["data_type"]).numpy.itemsize
         inner = spec_inner_chunk(chunk, itemsize, inner_chunk_bytes)
@@ -208,7 +239,81 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
             for dp, _, fs in os.walk(base) for f in fs if f != "zarr.json"
         }
         assert present == expected, f"{where}: chunks {sorted(present)} != grid {sorted(expected)}"
+
+    # §6.5: packed nodes
+    ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in packs}
+    for path, d in packed_nodes.items():
+        where = f"packed leaf {spec_key(path)!r}"
+        assert_valid("packedNode", {"packed": d}, where)
+        itemsize = zdtypes.by_zarr(d["data_type"]).numpy.itemsize
+        assert d["nbytes"] == math.prod(d["shape"]) * itemsize, where
+        assert d["offset"] % 8 == 0, where
+        assert d["offset"] + d["nbytes"] <= arrays[d["pack"]]["shape"][0], where
+        ranges[d["pack"]].append((d["offset"], d["offset"] + d["nbytes"]))
+    for pack, rs in ranges.items():
+        rs = sorted(r for r in rs if r[0] < r[1])
+        assert all(a[1] <= b[0] for a, b in zip(rs, rs[1:])), f"{pack}: overlapping ranges {rs}"
+        # informative: padding is zero (read with zarr-python alone)
+        data = spec_read_pack(root, pack)
+        covered = np.zeros(data.shape, bool)
+        for lo, hi in rs:
+            covered[lo:hi] = True
+        assert not data[~covered].any(), f"{pack}: non-zero padding"
     return docs
+
+
+def spec_read_pack(root: Path, pack: str) -> np.ndarray:
+    import zarr
+
+    return zarr.open_array(root / pack, mode="r")[...]
+
+
+def spec_read_leaf(root: Path, node: dict) -> Any:
+    """An array leaf read with zarr-python alone, as §5.6 and §6.5 describe."""
+    import zarr
+
+    if "array" in node:
+        a = zarr.open_array(root / node["array"], mode="r")
+        data = a[...]
+        return data.tobytes() if a.attrs["zarrckpt"]["kind"] == "bytes" else np.asarray(data)
+    d = node["packed"]
+    raw = spec_read_pack(root, d["pack"])[d["offset"]:d["offset"] + d["nbytes"]]
+    if d["kind"] == "bytes":
+        return raw.tobytes()
+    return raw.view(spec_numpy_dtype(d["data_type"])).reshape(d["shape"])
+
+
+def leaf_bytes(leaf: Any) -> tuple[tuple[int, ...], bytes]:
+    """(shape, little-endian C-order bytes) of a saved leaf."""
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    if isinstance(leaf, np.ndarray):
+        return leaf.shape, np.ascontiguousarray(leaf).tobytes()
+    return (len(leaf),), bytes(leaf)
+
+
+def flat_leaves(obj: Any, path: tuple = ()) -> dict[tuple, Any]:
+    if isinstance(obj, dict) and obj:
+        return {k: v for key, val in obj.items() for k, v in flat_leaves(val, path + (key,)).items()}
+    if isinstance(obj, (list, tuple)) and obj:
+        return {k: v for i, val in enumerate(obj) for k, v in flat_leaves(val, path + (i,)).items()}
+    return {path: obj}
+
+
+def check_values(root: Path, state: dict) -> None:
+    """Every array leaf, packed or not, read with zarr-python alone equals the saved value."""
+    tree = read_checkpoint_files(root)[""]["attributes"]["zarrckpt"]["tree"]
+    saved = flat_leaves(state)
+    for path, node in spec_leaves(tree):
+        if "array" not in node and "packed" not in node:
+            continue
+        got, want = spec_read_leaf(root, node), saved[path]
+        if isinstance(want, (bytes, bytearray, memoryview)):
+            assert got == bytes(want), path
+        else:
+            shape, raw = leaf_bytes(want)
+            assert isinstance(got, np.ndarray) and got.shape == shape, path
+            assert np.ascontiguousarray(got).tobytes() == raw, path
 
 
 # ------------------------------------------------------------------ (a) real saves
@@ -217,6 +322,7 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
 def varied_state() -> dict:
     return {
         "model": {
+            "big.weight": torch.randn(160, 128),          # 80 KiB: above the default pack_bytes
             "layer.weight": torch.randn(64, 48),
             "layer/bias": torch.zeros(48, dtype=torch.bfloat16),
             "prime": torch.ones(67, dtype=torch.int64),
@@ -254,35 +360,83 @@ def varied_state() -> dict:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"compression": "zstd", "inner_chunk_bytes": 256}, {"compression": {"name": "gzip", "level": 5}}],
-    ids=["default", "zstd-sharded", "gzip"],
+    [{"pack_bytes": 0}, {}, {"pack_bytes": 200},
+     {"compression": "zstd", "inner_chunk_bytes": 256, "pack_bytes": 0},
+     {"compression": "zstd", "inner_chunk_bytes": 256},
+     {"compression": {"name": "gzip", "level": 5}}],
+    ids=["unpacked", "packed", "pack-200", "zstd-sharded", "zstd-sharded-packed", "gzip-packed"],
 )
 def test_saved_files_follow_schema_and_spec(tmp_path, options):
-    zarrckpt.save(varied_state(), tmp_path / "ckpt", **options)
+    state = varied_state()
+    zarrckpt.save(state, tmp_path / "ckpt", **options)
     docs = check_checkpoint(tmp_path / "ckpt", inner_chunk_bytes=options.get("inner_chunk_bytes", 1 << 20))
+    check_values(tmp_path / "ckpt", state)
     arrays = {k: d for k, d in docs.items() if d.get("node_type") == "array"}
-    # the escaping cases of §4.2 really reached storage
+    tree = docs[""]["attributes"]["zarrckpt"]["tree"]
+    nodes = {spec_key(p): n for p, n in spec_leaves(tree)}
+
+    def described(key: str) -> tuple[list[int], str, str]:
+        """(shape, data_type, kind) of an array leaf, from its array or its packed node."""
+        if "packed" in nodes[key]:
+            d = nodes[key]["packed"]
+            return d["shape"], d["data_type"], d["kind"]
+        doc = arrays[nodes[key]["array"]]
+        return doc["shape"], doc["data_type"], doc["attributes"]["zarrckpt"]["kind"]
+
+    # §6.5 (informative): which leaves zarrckpt packs, and where
+    pack_bytes = options.get("pack_bytes", 64 << 10)
+    sizes = {}
+    for key in nodes:
+        if "array" in nodes[key] or "packed" in nodes[key]:
+            shape, data_type, kind = described(key)
+            sizes[key] = (kind, math.prod(shape) * zdtypes.by_zarr(data_type).numpy.itemsize)
+    small = [(k, n) for k, (kind, n) in sizes.items() if kind in ("tensor", "ndarray", "bytes") and n <= pack_bytes]
+    packed = {k: (int(n["packed"]["pack"].split("/")[1]), n["packed"]["offset"])
+              for k, n in nodes.items() if "packed" in n}
+    assert packed == (spec_packing(small, 1) if pack_bytes > 0 and len(small) >= 2 else {})
+    if pack_bytes == 0:
+        assert not any(a.startswith(".") for a in arrays)
+    else:
+        assert "model/big.weight" in arrays and ".packs/0" in arrays
+
+    # the escaping cases of §4.2 really reached storage (as array paths when nothing is packed)
     for segment in ["%", "%2Ehidden", "%5F_reserved", "zarr%2Ejson", "50%25", "unicode%20%C3%BC%2F%C3%A9",
                     "model/layer%2Fbias", "7/seven", "mixed/2/k", "mixed/3", "optim/state/0/step"]:
-        assert segment in arrays, f"{segment!r} not among {sorted(arrays)}"
-    assert arrays["optim/state/0/step"]["shape"] == []                 # 0-d
-    assert arrays["empty"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 7]  # §5.4 empty dim
-    assert arrays["fp8"]["data_type"] == "float8_e4m3fn"               # §5.2, not float8_e4m3
-    assert arrays["model/layer%2Fbias"]["data_type"] == "bfloat16"
-    assert arrays["ids"]["attributes"]["zarrckpt"]["kind"] == "ndarray"
-    assert arrays["rng"]["attributes"]["zarrckpt"]["kind"] == "bytes"
+        assert segment in nodes, f"{segment!r} not among {sorted(nodes)}"
+        if pack_bytes == 0:
+            assert segment in arrays, f"{segment!r} not among {sorted(arrays)}"
+    assert described("optim/state/0/step")[0] == []                    # 0-d
+    assert described("empty")[0] == [0, 7]
+    if "empty" in arrays:
+        assert arrays["empty"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 7]  # §5.4 empty dim
+    assert described("fp8")[1] == "float8_e4m3fn"                      # §5.2, not float8_e4m3
+    assert described("model/layer%2Fbias")[1] == "bfloat16"
+    assert described("ids")[2] == "ndarray"
+    assert described("rng")[1:] == ("uint8", "bytes")
     if options.get("inner_chunk_bytes"):
-        assert arrays["model/layer.weight"]["codecs"][0]["name"] == "sharding_indexed"
-        assert arrays["model/prime"]["codecs"][0]["name"] == "bytes"   # prime extent > 64 stays whole
+        assert arrays["model/big.weight"]["codecs"][0]["name"] == "sharding_indexed"
+        if "model/layer.weight" in arrays:
+            assert arrays["model/layer.weight"]["codecs"][0]["name"] == "sharding_indexed"
+        if "model/prime" in arrays:
+            assert arrays["model/prime"]["codecs"][0]["name"] == "bytes"  # prime extent > 64 stays whole
+        if ".packs/0" in arrays:                                          # a pack is an array like any other
+            assert arrays[".packs/0"]["codecs"][0]["name"] == "sharding_indexed"
     # §6.2 the tree's typed keys and value nodes
-    tree = docs[""]["attributes"]["zarrckpt"]["tree"]
     top = dict((json.dumps(k), v) for k, v in tree["dict"])
-    assert top["7"] == {"dict": [["seven", {"array": "7/seven"}]]}     # integer key stays an integer
+    assert [k for k, _ in top["7"]["dict"]] == ["seven"]               # integer key stays an integer
+    if pack_bytes == 0:
+        assert top["7"] == {"dict": [["seven", {"array": "7/seven"}]]}
     assert top['"plain"'] == {"json": {"a": 1, "b": [1.5, "x", None], "c": {"d": True}}}
     values = dict(top['"values"']["dict"])
     assert values["nan"] == {"float": "nan"} and values["ninf"] == {"float": "-inf"}
     assert values["big"] == {"json": 2**70} and values["empty_tuple"] == {"tuple": []}
     assert top['"mixed"']["list"][1] == {"tuple": [{"json": 2.5}, {"float": "nan"}]}
+    # the library's reader agrees with zarr-python on every leaf
+    ckpt = zarrckpt.open(tmp_path / "ckpt")
+    for key, node in nodes.items():
+        if "array" in node or "packed" in node:
+            got, want = ckpt.read(key), spec_read_leaf(tmp_path / "ckpt", node)
+            assert got == want if isinstance(want, bytes) else got.tobytes() == want.tobytes(), key
 
 
 def test_checkpoint_keys_are_the_spec_leaves(tmp_path):
@@ -297,14 +451,62 @@ def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
     from zarrckpt import _save
 
     monkeypatch.setattr(_save.SaveJob, "commit", lambda self, *args, **kwargs: None)
-    zarrckpt.save({"w": torch.ones(3), "n": 1}, tmp_path / "ckpt")
+    state = {"w": torch.ones(3), "n": 1, "small": {"a": torch.ones(2), "b": b"xy"}}
+    zarrckpt.save(state, tmp_path / "ckpt")
     docs = read_checkpoint_files(tmp_path / "ckpt")
     assert_valid("rootDocument", docs[""])
     assert_valid("rootAttributesPending", docs[""]["attributes"]["zarrckpt"])
     assert not is_valid("rootAttributesCommitted", docs[""]["attributes"]["zarrckpt"])
-    assert_valid("arrayDocument", docs["w"])
+    assert {k for k, d in docs.items() if d["node_type"] == "array"} == {".packs/0"}  # all three packed
+    assert_valid("arrayDocument", docs[".packs/0"])
+    # §7.1: a pending root is refused although every array is there
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.open(tmp_path / "ckpt")
+
+
+def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
+    """§7.2 step 2: before C1, rank 0 writes the pending root and the intermediate groups only;
+    array zarr.json files and chunks come in the write step (step 4)."""
+    from zarrckpt import _save
+
+    def stop(self, *args, **kwargs):
+        return RuntimeError("stopped before the write step")
+
+    monkeypatch.setattr(_save.SaveJob, "write", stop)
+    state = {"model": {"w": torch.ones(3, 4), "b": torch.ones(3)}, "opt": {"x": {"y": torch.ones(1 << 15)}}}
+    with pytest.raises(RuntimeError, match="stopped"):
+        zarrckpt.save(state, tmp_path / "ckpt")
+    docs = read_checkpoint_files(tmp_path / "ckpt")
+    assert_valid("rootAttributesPending", docs[""]["attributes"]["zarrckpt"])
+    # model/w and model/b are packed (no group "model"); opt/x/y (128 KiB) is an array of its own
+    assert set(docs) == {"", "opt", "opt/x", ".packs"}
+    assert all(d == {"zarr_format": 3, "node_type": "group"} for k, d in docs.items() if k)
+    files = [f for _, _, fs in os.walk(tmp_path / "ckpt") for f in fs]
+    assert sorted(files) == ["zarr.json"] * len(docs)  # no chunk, no array metadata
+    with pytest.raises(zarrckpt.IncompleteCheckpointError):
+        zarrckpt.open(tmp_path / "ckpt")
+
+
+def test_overwrite_uncommits_first(tmp_path, monkeypatch):
+    """§7.3: replacing a committed checkpoint rewrites its root as pending before deleting."""
+    from zarrckpt.storage import _tensorstore
+
+    zarrckpt.save({"w": torch.ones(3)}, tmp_path / "ckpt")
+    seen = []
+    real_clear = _tensorstore.Storage.clear
+
+    def clear(self):
+        with open(tmp_path / "ckpt" / "zarr.json", encoding="utf-8") as f:
+            seen.append(json.load(f)["attributes"]["zarrckpt"]["state"])
+        real_clear(self)
+
+    monkeypatch.setattr(_tensorstore.Storage, "clear", clear)
+    with pytest.raises(zarrckpt.CheckpointExistsError):
+        zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "ckpt")
+    assert seen == []
+    zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "ckpt", overwrite=True)
+    assert seen == ["pending"]
+    check_checkpoint(tmp_path / "ckpt")
 
 
 @pytest.fixture
@@ -375,6 +577,7 @@ def test_spec_writer_example():
     assert writes == {(0, 0): [(0, 0)], (0, 1): [(1, 0)], (1, 0): [], (1, 1): [(2, 0)]}
     sends = lay.save_plan((1, 0))[1]
     assert [(s.dst, s.box[0]) for s in sends] == [((0, 1), (5, 6)), ((1, 1), (6, 7))]
+    assert lay.metadata_writer() == (0, 0)  # §8.4: the writer of chunk (0, 0)
 
 
 def spec_pick(h: int, index: tuple, grid: tuple, split: tuple[int, int] | None) -> int:
@@ -386,6 +589,36 @@ def spec_pick(h: int, index: tuple, grid: tuple, split: tuple[int, int] | None) 
             i, g = i // k, -(-g // k)
         lin = lin * g + i
     return h + k * lin + (index[e] % k if split else 0)
+
+
+def spec_metadata_writer(h: int, shape: tuple, mesh: tuple, placements: tuple, grid: tuple,
+                         split: tuple[int, int] | None) -> tuple:
+    """§8.4 for aligned layouts: chunk (0, ..., 0) lies in the cell of the coordinates whose
+    sharding mesh dims are 0; its writer is replica ``q mod R`` of that cell, ``q`` its pick
+    (``h`` for an array with a zero-length dimension)."""
+    replica_dims = [j for j, p in enumerate(placements) if p == "R"]
+    r = h if 0 in shape else spec_pick(h, (0,) * len(shape), grid, split)
+    r %= math.prod(mesh[j] for j in replica_dims)
+    coord = [0] * len(mesh)
+    for j in reversed(replica_dims):
+        coord[j] = r % mesh[j]
+        r //= mesh[j]
+    return tuple(coord)
+
+
+@pytest.mark.parametrize(
+    "shape,mesh,placements",
+    [((0, 6), (4,), ("R",)), ((8, 0), (2, 3), ("S0", "R")), ((0,), (3, 2), ("R", "S0")), ((), (5,), ("R",))],
+)
+def test_spec_metadata_writer_without_chunks(shape, mesh, placements):
+    """§8.4: arrays with a zero-length dimension (no chunks) and 0-d arrays."""
+    from zarrckpt.layout import Layout, Replicate, Shard
+
+    for key in ("a", "opt/x", "model/layer.weight", "%2Eh"):
+        parsed = [Replicate() if p == "R" else Shard(int(p[1:])) for p in placements]
+        lay = Layout(shape, mesh, parsed, key=key)
+        h = zlib.crc32(key.encode())
+        assert lay.metadata_writer() == spec_metadata_writer(h, shape, mesh, placements, lay.grid_shape, None)
 
 
 @pytest.mark.parametrize(
@@ -425,6 +658,8 @@ def test_spec_writer_rule(shape, mesh, placements, split_min, chunk):
                 r //= mesh[j]
             assert tuple(coord) == tuple(expect), (w.index, coord, expect)
     assert sorted(written) == sorted(np.ndindex(*lay.grid_shape))
+    # §8.4: the array's zarr.json is written by the writer of chunk (0, ..., 0)
+    assert lay.metadata_writer() == spec_metadata_writer(h, shape, mesh, placements, lay.grid_shape, split)
     if split:  # §8.2: the k chunks of one split cell are written by k different replicas
         e, k = split
         by_cell: dict[tuple, set] = {}
@@ -433,6 +668,83 @@ def test_spec_writer_rule(shape, mesh, placements, split_min, chunk):
                 cell = tuple(i // k if d == e else i for d, i in enumerate(w.index))
                 by_cell.setdefault(cell, set()).add(coord)
         assert all(len(writers) == k for writers in by_cell.values()), by_cell
+
+
+def spec_rank_state(rank: int, same: bool) -> dict:
+    """The state every rank saves in the multi-process tests below."""
+    state = {
+        "a": torch.arange(10, dtype=torch.float32), "b": torch.ones(2), "c": torch.ones(3, dtype=torch.int8),
+        "d": torch.arange(25, dtype=torch.float32).reshape(5, 5), "e": torch.empty(0, 3),
+        "f": b"xyz", "g": np.arange(5), "x": {"y": {"z": torch.ones(4, dtype=torch.bfloat16)}},
+        "big": torch.arange(20000, dtype=torch.float32),  # 80000 bytes: above pack_bytes
+        "step": 7,
+    }
+    if not same:
+        state["stage"] = {str(rank): torch.full((2,), float(rank))}
+    return state
+
+
+def rank_save_logging_puts(rank, world, path, same):
+    """Save ``spec_rank_state`` and return the storage keys this rank put (zarr.json files
+    other than the root, and small chunks)."""
+    from zarrckpt.storage import _tensorstore
+
+    log = []
+    real_put = _tensorstore.Storage.put
+
+    def put(self, key, data):
+        log.append(key)
+        return real_put(self, key, data)
+
+    _tensorstore.Storage.put = put
+    try:
+        zarrckpt.save(spec_rank_state(rank, same), path)
+    finally:
+        _tensorstore.Storage.put = real_put
+    return log
+
+
+def test_two_processes_pack_and_write_as_the_spec_says(tmp_path, clusters):
+    """§6.5 packs of two processes; §7.2 / §8.4: who writes each zarr.json and chunk."""
+    path = tmp_path / "ckpt"
+    logs = clusters(2).run(rank_save_logging_puts, str(path), True)
+    docs = check_checkpoint(path)
+    check_values(path, spec_rank_state(0, True))
+    tree = docs[""]["attributes"]["zarrckpt"]["tree"]
+    nodes = {spec_key(p): n for p, n in spec_leaves(tree)}
+    packed = {k: (int(n["packed"]["pack"].split("/")[1]), n["packed"]["offset"])
+              for k, n in nodes.items() if "packed" in n}
+    sizes = [(k, n["packed"]["nbytes"]) for k, n in nodes.items() if "packed" in n]
+    assert sorted(packed) == ["a", "b", "c", "d", "e", "f", "g", "x/y/z"]
+    assert packed == spec_packing(sizes, 2)
+    assert {a for a, d in docs.items() if d.get("node_type") == "array"} == {"big", ".packs/0", ".packs/1"}
+    assert docs[""]["attributes"]["zarrckpt"]["num_arrays"] == 3
+
+    writers: dict[str, list[int]] = {}
+    for rank, keys in enumerate(logs):
+        for key in keys:
+            writers.setdefault(key, []).append(rank)
+    assert all(len(r) == 1 for r in writers.values()), writers  # every object written once
+    expected = {
+        ".packs/zarr.json": 0,                        # groups: rank 0 (x/y/z is packed: no group x)
+        ".packs/0/zarr.json": 0, ".packs/0/c/0": 0,                         # pack n: rank n
+        ".packs/1/zarr.json": 1, ".packs/1/c/0": 1,
+        "big/zarr.json": zlib.crc32(b"big") % 2, "big/c/0": zlib.crc32(b"big") % 2,  # §8.2, §8.4
+    }
+    assert {k: r[0] for k, r in writers.items()} == expected
+
+
+def test_two_processes_with_different_keys_pack_nothing(tmp_path, clusters):
+    """§6.5: zarrckpt packs only when every process holds the same tree."""
+    path = tmp_path / "ckpt"
+    clusters(2).run(rank_save_logging_puts, str(path), False)
+    docs = check_checkpoint(path)
+    tree = docs[""]["attributes"]["zarrckpt"]["tree"]
+    assert not any("packed" in n for _, n in spec_leaves(tree))
+    assert not any(k.startswith(".") for k in docs if k)
+    state = spec_rank_state(0, False)
+    state["stage"]["1"] = torch.full((2,), 1.0)
+    check_values(path, state)
 
 
 # ------------------------------------------------------------------ (b) the two schema copies
@@ -456,16 +768,21 @@ def test_schema_data_types_match_the_library_table():
 # ------------------------------------------------------------------ (c) the schema rejects bad documents
 
 
-SAVE_ID = "1f1c246b27834679a6cdb39815b19fe8"
+SAVE_ID = "c088eeef2a2e4ebbb33f64d834138a"  # 30 digits, as zarrckpt writes
 
 
 def good_root() -> dict:
     return {
         "format": "zarrckpt", "version": "1.0", "state": "committed", "save_id": SAVE_ID,
         "world_size": 2, "created": "2026-11-26T04:26:36.445412Z", "writer": {"zarrckpt": "0.1.0"},
-        "committed": "2026-11-26T04:26:37.394615Z", "num_arrays": 1,
-        "tree": {"dict": [["w", {"array": "w"}], [3, {"list": [{"json": 1}, {"float": "nan"}]}]]},
+        "committed": "2026-11-26T04:26:37.394615Z", "num_arrays": 2,
+        "tree": {"dict": [["w", {"array": "w"}], [3, {"list": [{"json": 1}, {"float": "nan"}]}],
+                          ["b", {"packed": good_packed()}]]},
     }
+
+
+def good_packed() -> dict:
+    return {"pack": ".packs/0", "offset": 48, "nbytes": 6, "kind": "tensor", "data_type": "bfloat16", "shape": [3]}
 
 
 def good_dtensor() -> dict:
@@ -486,8 +803,16 @@ def test_good_documents_are_accepted():
     assert_valid(None, good_dtensor())
     assert_valid("arrayAttributes", {"kind": "tensor", "save_id": SAVE_ID, "torch_dtype": "float32"})
     assert_valid("arrayAttributes", {"kind": "bytes", "save_id": SAVE_ID, "torch_dtype": "uint8"})
+    assert_valid("arrayAttributes", {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "uint8"})
     assert_valid("rootAttributes", dict(good_root(), version="1.7", future_member={"x": 1}))  # §10
+    for save_id in ("0" * 16, "f" * 64, "1f1c246b27834679a6cdb39815b19fe8"):     # §6.1: 16 to 64 digits
+        assert_valid("rootAttributes", dict(good_root(), save_id=save_id))
     assert_valid("treeNode", {"array": "a/%/%2Eb/%5F_c/zarr%2Ejson.x/-1/%C3%BC"})
+    for packed in (good_packed(), dict(good_packed(), pack=".packs/12", offset=0),
+                   dict(good_packed(), shape=[], nbytes=2), dict(good_packed(), shape=[0, 7], nbytes=0),
+                   {"pack": ".packs/1", "offset": 8, "nbytes": 3, "kind": "bytes", "data_type": "uint8", "shape": [3]},
+                   dict(good_packed(), kind="ndarray", data_type="complex128", shape=[2, 2], nbytes=64)):
+        assert_valid("treeNode", {"packed": packed})
 
 
 def _without(d: dict, key: str) -> dict:
@@ -508,7 +833,11 @@ BAD_ROOTS = {
     "committed without tree": _without(good_root(), "tree"),
     "committed without num_arrays": _without(good_root(), "num_arrays"),
     "pending with tree": dict(good_root(), state="pending"),
-    "save_id not 32 hex": dict(good_root(), save_id="not-an-id"),
+    "save_id not hex": dict(good_root(), save_id="not-an-id-not-an-id"),
+    "save_id of 15 digits": dict(good_root(), save_id="0" * 15),
+    "save_id of 65 digits": dict(good_root(), save_id="0" * 65),
+    "save_id upper-case": dict(good_root(), save_id=SAVE_ID.upper()),
+    "save_id not a string": dict(good_root(), save_id=12345678901234567890),
     "world_size 0": dict(good_root(), world_size=0),
     "created not UTC": dict(good_root(), created="2026-11-26 04:26:36"),
     "writer version not a string": dict(good_root(), writer={"zarrckpt": 1}),
@@ -533,6 +862,32 @@ BAD_ROOTS = {
     "array path with a bad escape": _root_with_tree({"array": "a%zz"}),
     "array path with a space": _root_with_tree({"array": "a b"}),
     "empty array path": _root_with_tree({"array": ""}),
+    "array node naming a pack": _root_with_tree({"array": ".packs/0"}),
+    "packed node with array and packed": _root_with_tree({"packed": good_packed(), "array": "k"}),
+    **{f"packed node {name}": _root_with_tree({"packed": d}) for name, d in {
+        "without pack": _without(good_packed(), "pack"),
+        "without offset": _without(good_packed(), "offset"),
+        "without nbytes": _without(good_packed(), "nbytes"),
+        "without kind": _without(good_packed(), "kind"),
+        "without data_type": _without(good_packed(), "data_type"),
+        "without shape": _without(good_packed(), "shape"),
+        "with an extra member": dict(good_packed(), crc=0),
+        "in a pack outside .packs": dict(good_packed(), pack="packs/0"),
+        "in a pack with a leading zero": dict(good_packed(), pack=".packs/01"),
+        "in a nested pack path": dict(good_packed(), pack=".packs/0/1"),
+        "in a pack named by a key": dict(good_packed(), pack="model/w"),
+        "with a negative offset": dict(good_packed(), offset=-8),
+        "with an unaligned offset": dict(good_packed(), offset=4),
+        "with offset as a string": dict(good_packed(), offset="48"),
+        "with a negative nbytes": dict(good_packed(), nbytes=-1),
+        "of kind dtensor": dict(good_packed(), kind="dtensor"),
+        "of kind pack": dict(good_packed(), kind="pack"),
+        "with an unknown data type": dict(good_packed(), data_type="float8_e4m3"),
+        "with a negative extent": dict(good_packed(), shape=[-3]),
+        "of bytes that are not uint8": dict(good_packed(), kind="bytes"),
+        "of bytes with a 2-d shape": dict(good_packed(), kind="bytes", data_type="uint8", shape=[2, 3]),
+        "as a list": [".packs/0", 48, 6],
+    }.items()},
 }
 
 
@@ -569,6 +924,10 @@ BAD_ARRAYS = {
     "zarr-extensions float8_e4m3 name": dict(good_dtensor(), torch_dtype="float8_e4m3"),
     "torch-style dtype name": dict(good_dtensor(), torch_dtype="torch.float32"),
     "bytes that are not uint8": {"kind": "bytes", "save_id": SAVE_ID, "torch_dtype": "float32"},
+    "pack that is not uint8": {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "float32"},
+    "pack with a mesh": {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "uint8",
+                         "mesh": {"shape": [1], "dim_names": None, "device_type": "cpu"}},
+    "save_id of 15 digits": {"kind": "tensor", "save_id": "0" * 15, "torch_dtype": "float32"},
 }
 
 
@@ -594,6 +953,10 @@ def test_schema_rejects_bad_array_documents():
     }
     for name, (member, value) in bad.items():
         assert not is_valid("arrayDocument", dict(good, **{member: value})), name
+    pack = spec_example("pack-zarr.json")
+    assert_valid("arrayDocument", pack)
+    assert not is_valid("arrayDocument", dict(pack, shape=[8, 8]))             # §6.5: 1-d
+    assert not is_valid("arrayDocument", dict(pack, data_type="float32"))      # §6.5: uint8
 
 
 # ------------------------------------------------------------------ (d) the worked example stays in sync
@@ -612,32 +975,39 @@ def spec_example(name: str) -> Any:
 
 def test_spec_header():
     head = SPEC.read_text(encoding="utf-8")[:800]
-    assert "| **Version** | 1.0 |" in head and "draft-stable" in head and "2026-11-26" in head
+    assert "| **Version** | 1.0 |" in head and "draft, unreleased" in head and "2026-11-26" in head
     assert zformat.FORMAT_VERSION == "1.0"
 
 
 def test_spec_examples_are_present():
     assert set(spec_examples()) >= {
         "save-script", "find", "root-zarr.json", "pending-zarr.json", "array-zarr.json",
-        "chunk-head.bias", "dtensor-script", "dtensor-zarr.json", "zarr-python",
+        "chunk-head.bias", "packed-script", "packed-find", "packed-root-zarr.json", "pack-zarr.json",
+        "chunk-pack", "dtensor-script", "dtensor-zarr.json", "zarr-python",
     }
 
 
 @pytest.mark.parametrize(
     "name,definition",
     [("root-zarr.json", "rootDocument"), ("pending-zarr.json", "rootDocument"),
-     ("array-zarr.json", "arrayDocument"), ("dtensor-zarr.json", "arrayDocument")],
+     ("array-zarr.json", "arrayDocument"), ("packed-root-zarr.json", "rootDocument"),
+     ("pack-zarr.json", "arrayDocument"), ("dtensor-zarr.json", "arrayDocument")],
 )
 def test_spec_json_examples_validate(name, definition):
     doc = spec_example(name)
     assert_valid(definition, doc, f"spec example {name}")
     attrs = doc["attributes"]["zarrckpt"]
     assert_valid(None, attrs, f"spec example {name} attributes")
-    if name == "root-zarr.json":
+    assert re.fullmatch(r"[0-9a-f]{30}", attrs["save_id"])  # what zarrckpt writes (§6.1)
+    if name.endswith("root-zarr.json"):
         assert attrs["version"] == zformat.FORMAT_VERSION
-        assert attrs["num_arrays"] == sum("array" in n for _, n in spec_leaves(attrs["tree"]))
+        leaves = [n for _, n in spec_leaves(attrs["tree"])]
+        packs = {n["packed"]["pack"] for n in leaves if "packed" in n}
+        assert attrs["num_arrays"] == sum("array" in n for n in leaves) + len(packs)  # §6.1
     if name == "array-zarr.json":
         assert attrs["save_id"] == spec_example("root-zarr.json")["attributes"]["zarrckpt"]["save_id"]
+    if name == "pack-zarr.json":
+        assert attrs["save_id"] == spec_example("packed-root-zarr.json")["attributes"]["zarrckpt"]["save_id"]
 
 
 def _od_bytes(text: str) -> bytes:
@@ -652,34 +1022,70 @@ VOLATILE = ("save_id", "created", "committed", "writer")
 
 
 def test_worked_example_matches_a_fresh_save(tmp_path, monkeypatch):
-    """Re-run Appendix A.1's script; its files must match the ones the spec shows."""
+    """Re-run Appendix A.1's and A.2's scripts; their files must match the ones the spec shows."""
     ex = spec_examples()
     monkeypatch.chdir(tmp_path)
-    exec(compile(ex["save-script"], "spec/format.md#save-script", "exec"), {})
+    ns: dict[str, Any] = {}
+    exec(compile(ex["save-script"], "spec/format.md#save-script", "exec"), ns)
+    exec(compile(ex["packed-script"], "spec/format.md#packed-script", "exec"), ns)
 
-    listing = sorted(
-        ["ckpt"] + [os.path.relpath(os.path.join(dp, n), tmp_path).replace(os.sep, "/")
-                    for dp, dns, fns in os.walk(tmp_path / "ckpt") for n in dns + fns]
-    )
-    assert listing == ex["find"].split()
+    def listing(name: str) -> list[str]:
+        return sorted(
+            [name] + [os.path.relpath(os.path.join(dp, n), tmp_path).replace(os.sep, "/")
+                      for dp, dns, fns in os.walk(tmp_path / name) for n in dns + fns]
+        )
+
+    assert listing("ckpt") == ex["find"].split()
+    assert listing("ckpt_packed") == ex["packed-find"].split()
+
+    def same_root(docs: dict, example: str) -> None:
+        root, shown = docs[""], spec_example(example)
+        for doc in (root, shown):
+            for k in VOLATILE:
+                doc["attributes"]["zarrckpt"].pop(k)
+        assert root == shown, example
+
+    def same_array(doc: dict, example: str) -> None:
+        shown = spec_example(example)
+        doc["attributes"]["zarrckpt"].pop("save_id")
+        shown["attributes"]["zarrckpt"].pop("save_id")
+        assert doc == shown, example
 
     docs = check_checkpoint(tmp_path / "ckpt")
-    root, shown = docs[""], spec_example("root-zarr.json")
-    for doc in (root, shown):
-        for k in VOLATILE:
-            doc["attributes"]["zarrckpt"].pop(k)
-    assert root == shown
-
-    array, shown = docs["model/head.bias"], spec_example("array-zarr.json")
-    array["attributes"]["zarrckpt"].pop("save_id")
-    shown["attributes"]["zarrckpt"].pop("save_id")
-    assert array == shown
+    same_root(docs, "root-zarr.json")
+    same_array(docs["model/head.bias"], "array-zarr.json")
     assert (tmp_path / "ckpt/model/head.bias/c/0").read_bytes() == _od_bytes(ex["chunk-head.bias"])
 
-    # Appendix B runs against the checkpoint A.1 made, and returns the saved state
-    ns: dict[str, Any] = {}
+    packed_docs = check_checkpoint(tmp_path / "ckpt_packed")
+    same_root(packed_docs, "packed-root-zarr.json")
+    same_array(packed_docs[".packs/0"], "pack-zarr.json")
+    assert (tmp_path / "ckpt_packed/.packs/0/c/0").read_bytes() == _od_bytes(ex["chunk-pack"])
+    check_values(tmp_path / "ckpt", ns["state"])
+    check_values(tmp_path / "ckpt_packed", ns["state"])
+
+    # Appendix B runs against the checkpoints A.1 and A.2 made, and returns the saved state
+    ns = {}
     exec(compile(ex["zarr-python"], "spec/format.md#zarr-python", "exec"), ns)
-    state = ns["state"]
-    assert state["step"] == 100 and state["lr_schedule"] == (0.1, 0.01) and state["rng"] == b"\x01\x02\x03\x04"
-    np.testing.assert_array_equal(state["model"]["embed.weight"], np.arange(12, dtype=np.float32).reshape(3, 4))
-    assert state["model"]["head.bias"].astype(np.float32).tolist() == [0.5, -1.0, 2.0]
+    for state in (ns["state"], ns["packed"], ns["read_checkpoint"]("ckpt_packed")):
+        assert state["step"] == 100 and state["lr_schedule"] == (0.1, 0.01) and state["rng"] == b"\x01\x02\x03\x04"
+        np.testing.assert_array_equal(state["model"]["embed.weight"], np.arange(12, dtype=np.float32).reshape(3, 4))
+        assert state["model"]["head.bias"].astype(np.float32).tolist() == [0.5, -1.0, 2.0]
+        assert str(state["model"]["head.bias"].dtype) == "bfloat16"
+
+
+def test_appendix_b_reads_every_kind_of_leaf(tmp_path, monkeypatch):
+    """Appendix B's reader, on the varied state, packed and not, equals zarr-python reads of §6.5."""
+    ns: dict[str, Any] = {}
+    monkeypatch.chdir(tmp_path)
+    exec(compile(spec_examples()["zarr-python"].split("\nstate = read_checkpoint")[0], "appendix-b", "exec"), ns)
+    state = varied_state()
+    for options in ({"pack_bytes": 0}, {}):
+        path = tmp_path / f"ckpt{len(options)}"
+        zarrckpt.save(state, path, **options)
+        got = flat_leaves(ns["read_checkpoint"](str(path)))
+        for key_path, want in flat_leaves(state).items():
+            if isinstance(want, (bytes, bytearray, memoryview)):
+                assert got[key_path] == bytes(want), key_path
+            elif isinstance(want, (torch.Tensor, np.ndarray)):
+                shape, raw = leaf_bytes(want)
+                assert got[key_path].shape == shape and np.ascontiguousarray(got[key_path]).tobytes() == raw, key_path

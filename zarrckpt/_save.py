@@ -303,7 +303,7 @@ class SaveJob:
                     "pack": pack_key, "offset": offset, "nbytes": n, "kind": it.kind,
                     "data_type": it.dtype.zarr, "shape": list(it.layout.shape)}}
                 if buf is not None and n:
-                    src = it.host_view()
+                    src = it.host_view() if it.on_host else dtypes.to_numpy(it.source.detach().cpu())
                     buf[offset:offset + n] = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
                 offset += -(-n // PACK_ALIGN) * PACK_ALIGN
             row = dtypes.by_zarr("uint8")
@@ -380,6 +380,7 @@ class SaveJob:
         # From here on the directory is ours: a committed or interrupted zarrckpt save.
         if root is not None:
             st.write_json("zarr.json", self._root("pending"), atomic=True).result()  # un-commit first
+            st.flush()  # ... durably, before anything of the old checkpoint is deleted
             st.clear()
         st.make_dir()
         st.write_json("zarr.json", self._root("pending"), atomic=True).result()

@@ -136,6 +136,8 @@ class Checkpoint:
         if pack is None:
             doc = self.storage.read_json(f"{desc['pack']}/zarr.json")
             pinfo = fmt.parse_array(doc, desc["pack"], self.info.save_id)
+            if pinfo.kind != "pack" or pinfo.dtype.zarr != "uint8" or len(pinfo.shape) != 1:
+                raise FormatError(f"packed leaf {key!r}: {desc['pack']!r} is not a 1-D uint8 pack array")
             pack = np.empty(pinfo.shape, dtype=np.uint8)
             arr = Array(self.storage.open_for_read(desc["pack"], pinfo.metadata).result(), desc["pack"])
             wait_all([(desc["pack"], arr.read_into(((0, pinfo.shape[0]),), pack))])

@@ -98,7 +98,7 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
-def _put_file(path: str, data: bytes) -> None:
+def _put_file(path: str, data: bytes, fsync: bool) -> None:
     try:
         f = open(path, "wb")
     except FileNotFoundError:
@@ -106,6 +106,9 @@ def _put_file(path: str, data: bytes) -> None:
         f = open(path, "wb")
     with f:
         f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 class Array:
@@ -200,7 +203,7 @@ class Storage:
             return self.kv.write(key, data)
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="zarrckpt-put")
-        return self._pool.submit(_put_file, os.path.join(path, key), data)
+        return self._pool.submit(_put_file, os.path.join(path, key), data, self.options.fsync == "each")
 
     def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray) -> Any:
         """Encode one whole chunk with the codec chain ``[bytes(little), crc32c]`` and put it
