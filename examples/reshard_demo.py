@@ -57,6 +57,7 @@ def train_and_save(rank: int, world: int, port: int, path: str) -> None:
         print(f"[save, 2 ranks, Shard(0)] wrote {report['bytes_written']} bytes on rank 0 in "
               f"{sum(report['seconds'].values()):.3f} s")
         np.savez(path + ".reference.npz", **full)  # to check the loads below against
+    dist.barrier()  # let every rank finish its collectives before tearing gloo down
     dist.destroy_process_group()
 
 
@@ -77,6 +78,7 @@ def load_column_sharded(rank: int, world: int, port: int, path: str) -> None:
     if rank == 0:
         print(f"[load, 2 ranks, Shard(1)] read {report['bytes_needed']} bytes on rank 0; "
               "matches the saved model bit for bit")
+    dist.barrier()  # let every rank finish its collectives before tearing gloo down
     dist.destroy_process_group()
 
 

@@ -4,23 +4,29 @@ Phases and collectives, in order (``g`` is the process group; C = collective)::
 
     every rank                                 rank 0
     ----------                                 ------
-    plan()     resolve Stateful, encode the tree, lay out each array (local, no I/O)
-    C0  agree()   one all-reduce: did planning succeed everywhere, and is the
-                  (tree, array metadata) digest the same on every rank?  If not
-                  the same (e.g. pipeline stages hold different keys), rank 0
-                  gathers and merges the trees (slow path, once).
-               prepare(): refuse or clear the directory, write the
-               pending root zarr.json, group and array zarr.json
+    plan()     resolve Stateful, encode the tree, lay out each array and compute
+               this rank's chunk writes (local, no I/O)
+    C0  agree()   one all-reduce: did planning succeed everywhere, is the
+                  (tree, array metadata) digest the same on every rank, and
+                  rank 0's save id and time.  Same everywhere: small plain
+                  leaves are packed (every rank computes the same packs).  Not
+                  the same (e.g. pipeline stages hold different keys): rank 0
+                  gathers the trees (slow path), and plain arrays are written
+                  by the ranks that hold them.
+               prepare(): refuse or un-commit and clear the
+               directory, write the pending root and group zarr.json
     C1  all_true  directory ready
-    stage()    device -> host copies of the local shards
     exchange() point-to-point boundary pieces (only nested uneven layouts)
-    write()    every rank writes the chunks it owns, fsynced, waits
+    write()    every rank writes its arrays' zarr.json (metadata writer = writer
+               of chunk 0) and the chunks it owns, staging device data through a
+               bounded pinned buffer; then one syncfs
     C2  all_true  all data durable
                commit(): root zarr.json rewritten with state "committed"
     C3  all_true  commit durable; every rank returns
 
-``async_save`` runs stage/exchange in the caller's thread and write/commit in
-a background thread whose C2/C3 go over a separate gloo group.
+``async_save`` (``_async.py``) runs plan/C0/prepare/C1/exchange and the staging of
+every local shard in the caller's thread, then write/C2/commit/C3 in a background
+thread whose collectives go over a separate gloo group.
 """
 
 from __future__ import annotations
