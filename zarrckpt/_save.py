@@ -205,8 +205,6 @@ class SaveJob:
 
     def _item(self, key: str, leaf: Any) -> Item:
         g = self.g
-        plain_rank_of = (lambda c: c[0]) if g.pg is None else (
-            lambda c, pg=g.pg: torch.distributed.get_global_rank(pg, c[0]))
         split = self.options.replica_split_bytes
         if zdist.is_dtensor(leaf):
             try:
@@ -237,7 +235,7 @@ class SaveJob:
         layout = Layout(tuple(source.shape), (g.size,), (Replicate(),), key=key,
                         replica_split_min_elems=None if split is None else split // dt.numpy.itemsize)
         attrs = fmt.array_attrs(kind=kind, save_id="", dtype=dt)
-        return Item(key, kind, dt, layout, (g.rank,), plain_rank_of, source,
+        return Item(key, kind, dt, layout, (g.rank,), lambda c: self._global(c[0]), source,
                     self._metadata(key, layout, dt, attrs))
 
     def _metadata(self, key: str, layout: Layout, dt: dtypes.DType, attrs: dict) -> dict:
@@ -335,8 +333,7 @@ class SaveJob:
         it.layout = Layout(it.layout.shape, (len(holders),), (Replicate(),), key=it.key,
                            replica_split_min_elems=None if split is None else split // it.dtype.numpy.itemsize)
         it.coord = (holders.index(g.rank),)
-        it.rank_of = (lambda c, hs=holders: hs[c[0]]) if g.pg is None else (
-            lambda c, hs=holders, pg=g.pg: torch.distributed.get_global_rank(pg, hs[c[0]]))
+        it.rank_of = lambda c, hs=holders: self._global(hs[c[0]])
         it.writes, it.sends = it.layout.save_plan(it.coord)
 
     def _fail(self, error: BaseException | None, what: str, g: zdist.Group | None = None) -> None:

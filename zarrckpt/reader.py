@@ -19,7 +19,7 @@ import numpy as np
 
 from . import format as fmt
 from . import tree as ztree
-from .errors import CorruptChunkError, FormatError
+from .errors import FormatError
 from .storage import Array, Storage, StorageOptions
 from .storage._tensorstore import translate_error
 from ._io import wait_all
@@ -195,5 +195,3 @@ def open_checkpoint(path: str | os.PathLike, **storage_options: Any) -> Checkpoi
     """Open a committed checkpoint for reading (no torch needed)."""
     return Checkpoint(path, StorageOptions(**storage_options) if storage_options else None)
 
-
-_ = CorruptChunkError

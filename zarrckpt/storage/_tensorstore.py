@@ -145,7 +145,7 @@ def translate_error(exc: BaseException, key: str) -> BaseException:
         return CorruptChunkError(f"array {key!r}: a chunk fails its checksum or is damaged ({msg})")
     if "NOT_FOUND" in msg or "missing" in msg.lower():
         return CorruptChunkError(f"array {key!r}: a chunk is missing from storage ({msg})")
-    if "FAILED_PRECONDITION" in msg or "INVALID_ARGUMENT" in msg and "decod" in msg.lower():
+    if "FAILED_PRECONDITION" in msg or ("INVALID_ARGUMENT" in msg and "decod" in msg.lower()):
         return CorruptChunkError(f"array {key!r}: a chunk cannot be decoded ({msg})")
     return exc
 
