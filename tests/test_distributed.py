@@ -332,3 +332,26 @@ def test_resharded_load_fetches_only_what_it_needs(tmp_path, clusters):
     for rep in reps:
         assert rep["bytes_needed"] == 2048 * 512 * 4
         assert rep["bytes_fetched"] <= 1.1 * rep["bytes_needed"], rep
+
+
+def rank_pipeline_dtensors(rank, world, path):
+    """PP x DP: each pipeline stage holds its own DTensors, sharded over its dp sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    full = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3) + 100 * stage
+    state = {f"stage{stage}": {"w": distribute_tensor(full, mesh["dp"], [Shard(0)])}, "step": 3}
+    return zarrckpt.save(state, path)["bytes_written"]
+
+
+def test_pipeline_stages_with_dtensors_on_sub_meshes(tmp_path, clusters):
+    path = str(tmp_path / "ck")
+    written = clusters(4).run(rank_pipeline_dtensors, path)
+    assert sum(written) == 2 * 10 * 3 * 4
+    sd = zarrckpt.load_state_dict(path)
+    for stage in range(2):
+        expect = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 100 * stage
+        assert torch.equal(sd[f"stage{stage}"]["w"], expect)
+    assert sd["step"] == 3
