@@ -25,7 +25,7 @@ from zarrckpt import dtypes as zdtypes
 from zarrckpt import format as zformat
 from zarrckpt import layout as zlayout
 
-jsonschema = pytest.importorskip("jsonschema")
+import jsonschema  # noqa: E402  (a test dependency: fail loudly if missing, never skip)
 from referencing import Registry, Resource  # noqa: E402  (ships with jsonschema >= 4.18)
 
 REPO = Path(__file__).resolve().parent.parent
