@@ -104,10 +104,3 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
                      daemon=False).start()
     return fut
 
-
-def wait_all_saves() -> None:
-    """Block until the in-flight async save (if any) has committed or failed."""
-    with _lock:
-        fut = _inflight
-    if fut is not None:
-        fut.exception()

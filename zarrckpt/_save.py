@@ -444,14 +444,14 @@ class SaveJob:
         t0 = time.perf_counter()
         todo = [it for it in self.items if _needs_data(it)]
         tensors = [it.source for it in todo if isinstance(it.source, torch.Tensor)]
-        arena.reserve(sum(staged_nbytes(t) for t in tensors))
+        self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
+        arena.reserve(self.bytes_staged)
         for it in todo:
             if isinstance(it.source, torch.Tensor):
                 _, it.host = arena.stage(it.source)
             else:
                 it.host = np.array(it.source, copy=True)
         sync_devices(tensors)
-        self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
         self._timed("stage", t0)
 
     def write(self, *, streaming: bool) -> BaseException | None:
@@ -494,12 +494,12 @@ class SaveJob:
                     host = it.host_view()
                 else:
                     host = self._stream_stage(it, arena, pending)
-            small = _plain_codecs(it.metadata)
+            small = _small_chunks(it)
             for w in it.writes:
                 data = it.assembled.get(w.index)
                 if data is None:
                     data = host[_slices(it.layout.to_local(it.coord, w.box))]
-                if small and data.nbytes <= SMALL_CHUNK_BYTES and data.shape == it.layout.chunk_shape:
+                if small and data.shape == it.layout.chunk_shape:
                     pending.add(it.key, self.storage.write_plain_chunk(it.key, w.index, data), data.nbytes)
                 else:
                     if arr is None:
@@ -617,11 +617,16 @@ def _plain_codecs(metadata: dict) -> bool:
     return metadata["codecs"] == _PLAIN
 
 
+def _small_chunks(it: Item) -> bool:
+    """Whole chunks of this array take the small-chunk fast path (edge chunks don't)."""
+    return _plain_codecs(it.metadata) and (
+        np.prod(it.layout.chunk_shape) * it.dtype.numpy.itemsize <= SMALL_CHUNK_BYTES)
+
+
 def _all_small(it: Item) -> bool:
     """Every chunk of this rank goes through the small-chunk fast path."""
-    return _plain_codecs(it.metadata) and all(
-        tuple(b - a for a, b in w.box) == it.layout.chunk_shape for w in it.writes
-    ) and np.prod(it.layout.chunk_shape) * it.dtype.numpy.itemsize <= SMALL_CHUNK_BYTES
+    return _small_chunks(it) and all(
+        tuple(b - a for a, b in w.box) == it.layout.chunk_shape for w in it.writes)
 
 
 def _needs_data(it: Item) -> bool:

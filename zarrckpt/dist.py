@@ -35,10 +35,6 @@ class Group:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def barrier(self) -> None:
-        if self.active:
-            dist.barrier(group=self.pg)
-
     def all_true(self, ok: bool) -> bool:
         """True iff ``ok`` on every rank (one all-reduce)."""
         if not self.active:
@@ -108,10 +104,6 @@ def group(process_group: Any = None) -> Group:
         return Group(None, 0, 1)
     pg = process_group if process_group is not None else dist.group.WORLD
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
-
-
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def is_dtensor(obj: Any) -> bool:

@@ -222,9 +222,6 @@ class Storage:
             return  # object stores: a completed PUT is durable
         _syncfs(path)
 
-    def delete(self, key: str) -> None:
-        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-
     def is_empty(self) -> bool:
         path = self.local_path
         if path is not None:
