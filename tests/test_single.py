@@ -179,8 +179,14 @@ def test_missing_and_unexpected_keys(tmp_path):
         zarrckpt.load({"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2)}, tmp_path / "c")
     a = torch.zeros(2)
     with pytest.raises(zarrckpt.UnexpectedKeysError, match="'b'"):
-        zarrckpt.load({"a": a}, tmp_path / "c")
+        zarrckpt.load({"a": a}, tmp_path / "c", strict="exact")
     assert torch.count_nonzero(a) == 0
+    rep = {}  # the default, as DCP: keys the target lacks are reported, not an error
+    zarrckpt.load({"a": a}, tmp_path / "c", report=rep)
+    assert torch.equal(a, torch.ones(2)) and rep["unexpected"] == ["b"] and rep["missing"] == []
+    a.zero_()
+    with pytest.raises(ValueError, match="strict"):
+        zarrckpt.load({"a": a}, tmp_path / "c", strict="yes")
     c = torch.zeros(2)
     rep = {}
     zarrckpt.load({"a": a, "c": c}, tmp_path / "c", strict=False, report=rep)

@@ -4,6 +4,9 @@ The whole public API::
 
     save(state_dict, path, *, process_group=None, overwrite=False, **options)
     async_save(...same...) -> SaveFuture   # blocks only for device->host staging
+    wait_for_saves(timeout=None)           # every async save of this process, done
+    reserve_staging(state_dict | nbytes)   # allocate async staging memory up front
+    release_staging()
     load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False)
     load_state_dict(path, keys=None) -> dict of plain CPU tensors
     open(path) -> Checkpoint          # torch-free reader
@@ -18,16 +21,21 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import (
+    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConcurrentSaveError,
     CorruptChunkError,
+    DistributedError,
     DTypeMismatchError,
     FormatError,
     IncompleteCheckpointError,
+    LoadFailedError,
     MissingKeysError,
     SaveFailedError,
     ShapeMismatchError,
     StateDictMismatchError,
+    StorageError,
     UnexpectedKeysError,
     UnsupportedPlacementError,
     UnsupportedValueError,
@@ -41,17 +49,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ConcurrentSaveError",
     "CorruptChunkError",
     "DTypeMismatchError",
+    "DistributedError",
     "FormatError",
     "IncompleteCheckpointError",
+    "LoadFailedError",
     "MissingKeysError",
     "SaveFailedError",
-    "StorageOptions",
     "ShapeMismatchError",
     "StateDictMismatchError",
+    "StorageError",
+    "StorageOptions",
     "UnexpectedKeysError",
     "UnsupportedPlacementError",
     "UnsupportedValueError",
@@ -61,7 +74,10 @@ __all__ = [
     "load",
     "load_state_dict",
     "open",
+    "release_staging",
+    "reserve_staging",
     "save",
+    "wait_for_saves",
 ]
 
 
@@ -70,13 +86,18 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     """Save ``state_dict`` to ``path``; every rank of ``process_group`` calls it (SPMD).
 
     Leaves may be tensors, DTensors, ``bytes``, NumPy arrays, JSON-able values, or
-    Stateful objects (``state_dict()``/``load_state_dict()``). Returns this rank's
-    report (bytes written, seconds per phase). Options: see ``zarrckpt._save.SaveOptions``.
-    """
-    from ._save import SaveJob, SaveOptions, run_save
+    Stateful objects (``state_dict()``/``load_state_dict()``), ``io.BytesIO``, and
+    ShardedTensors with a ChunkShardingSpec. Returns this rank's report (bytes written,
+    seconds per phase). Options: see ``zarrckpt._save.SaveOptions``.
 
-    job = SaveJob(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
-    return run_save(job)
+    On a local file system the new checkpoint is written next to ``path`` and moved
+    into place when committed: an existing checkpoint there stays loadable until then.
+    If any rank fails, every rank raises an error of the same class and the path is
+    left as it was.
+    """
+    from ._save import SaveOptions, SaveRun, run_save
+
+    return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options)))
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
@@ -84,20 +105,29 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
     """Like :func:`save`, but returns once the local shards are copied to (pinned, reused)
     host buffers; writing and the commit finish in a background thread. Returns a
     ``SaveFuture``: ``staged_seconds`` is the time training was blocked, ``result()``
-    waits for the commit and returns the report or raises. One save in flight at a time.
+    waits for the commit and returns the report or raises. One save in flight at a time:
+    a second call (from any thread) first waits until the previous save has committed.
     """
     from ._async import async_save as _async_save
 
     return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite, **options)
 
 
-def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool = True,
+def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,
          key_map: Any = None, cast: bool = False, report: dict | None = None,
          max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20) -> dict:
     """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
     placements and world size), set non-tensor values, call ``load_state_dict`` on
     Stateful leaves, and return ``state_dict``.
 
+    Every rank of ``process_group`` calls it (two small all-reduces); if it fails on
+    one rank it fails on all, with an error of the same class naming the ranks.
+
+    ``strict``: True (default): target keys missing from the checkpoint are an error,
+    checkpoint keys the target lacks are reported (``report["unexpected"]``) — as in
+    DCP, since pipeline and expert parallel ranks hold only their share; ``"exact"``:
+    both are errors; False: neither.
+    Targets on the meta device are replaced by real tensors in the returned dict.
     ``key_map``: dict or callable from target key to checkpoint key (renamed modules).
     ``cast``: convert saved dtypes to the target's (otherwise a mismatch is an error).
     ``report``: a dict to fill with bytes needed/fetched and seconds per phase.
@@ -109,6 +139,30 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
                  max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes)
+
+
+def wait_for_saves(timeout: float | None = None) -> list:
+    """Wait until every ``async_save`` of this process has committed or failed; returns
+    their ``SaveFuture``s. zarrckpt also waits (with a warning) before
+    ``torch.distributed.destroy_process_group()`` and at interpreter exit."""
+    from ._async import wait_for_saves as _wait
+
+    return _wait(timeout)
+
+
+def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
+    """Allocate async-save staging memory now (page-locking costs ~0.6 s per GiB), so the
+    first ``async_save`` blocks no longer than later ones. Returns its size in bytes."""
+    from .staging import reserve_staging as _reserve
+
+    return _reserve(state_dict_or_nbytes)
+
+
+def release_staging() -> None:
+    """Free the async-save staging memory (after waiting for saves in flight)."""
+    from .staging import release_staging as _release
+
+    _release()
 
 
 def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:

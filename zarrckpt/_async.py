@@ -1,13 +1,17 @@
 """``async_save``: block training only for the device->host copy.
 
 Foreground (caller's thread, caller's process group): plan, C0, prepare, C1,
-boundary exchange, and staging into the process's reused arena. Then a
-background thread writes the chunks and runs C2/C3 + the commit over a
-*separate* gloo group created once per caller group, so no collective of the
-save ever interleaves with the training loop's collectives on its own group.
+boundary exchange, staging into the process's reused arena, C1b (staging
+succeeded everywhere). Then a background thread writes the chunks and runs
+C2/C3 and the commit over a *separate* gloo group (one per set of ranks, made
+by those ranks only, with the caller's timeout), so no collective of the save
+ever interleaves with the training loop's collectives on its own group.
 
-At most one async save is in flight per process: a new ``async_save`` first
-waits for the previous one (its staging buffers are about to be reused).
+One save is in flight per process: ``async_save`` first waits for the previous
+one to commit (its staging buffer is about to be reused), and concurrent calls
+from several threads are serialized. Saves in flight are waited for (with a
+warning) before ``torch.distributed.destroy_process_group`` and at interpreter
+exit; :func:`wait_for_saves` waits explicitly.
 """
 
 from __future__ import annotations
@@ -16,19 +20,21 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+import warnings
 from typing import Any
 
 from . import dist as zdist
-from ._save import SaveJob, SaveOptions, plan_and_prepare
+from ._save import SaveOptions, SaveRun, plan_and_prepare
+from .errors import SaveFailedError
 from .staging import shared_arena
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["SaveFuture", "async_save"]
+__all__ = ["SaveFuture", "async_save", "wait_for_saves"]
 
-_side_groups: dict[Any, zdist.Group] = {}
-_inflight: SaveFuture | None = None
-_lock = threading.Lock()
+_foreground = threading.Lock()  # one async_save call at a time in this process
+_state_lock = threading.Lock()
+_inflight: list[SaveFuture] = []
 
 
 class SaveFuture:
@@ -36,12 +42,12 @@ class SaveFuture:
 
     ``staged_seconds``: how long the caller was blocked (set before return).
     ``done()`` / ``result(timeout)``: the commit; ``result`` returns the report or raises
-    the save's error (``SaveFailedError`` names the failing ranks).
+    the save's error (every rank raises the same class, naming the failing ranks).
     """
 
-    def __init__(self, job: SaveJob, staged_seconds: float) -> None:
-        self.job = job
-        self.path = job.storage.url
+    def __init__(self, run: SaveRun, staged_seconds: float) -> None:
+        self.run = run
+        self.path = run.url
         self.staged_seconds = staged_seconds
         self.committed_at: float | None = None
         self._future: cf.Future = cf.Future()
@@ -61,46 +67,87 @@ class SaveFuture:
         return f"<zarrckpt.SaveFuture {self.path!r} {state}, blocked {self.staged_seconds:.3f}s>"
 
 
-def _side_group(g: zdist.Group) -> zdist.Group:
-    key = id(g.pg)
-    if key not in _side_groups:
-        _side_groups[key] = g.new_side_group()  # collective on the caller's group, foreground
-    return _side_groups[key]
-
-
 def _background(fut: SaveFuture, side: zdist.Group) -> None:
-    job = fut.job
+    run = fut.run
     try:
-        job.finish(job.write(streaming=False), side)
+        try:
+            run.finish(run.write(streaming=False), side)
+        except BaseException:
+            run.abandon()
+            raise
         fut.committed_at = time.time()
-        report = job.report()
+        report = run.report()
         report["seconds"]["blocked"] = fut.staged_seconds
         log.info("zarrckpt async save %s: %s", report["path"], report)
         fut._future.set_result(report)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-        log.error("zarrckpt async save to %s failed: %s", job.storage.url, e)
+        log.error("zarrckpt async save to %s failed: %s", run.url, e)
         fut._future.set_exception(e)
+    finally:
+        with _state_lock:
+            if fut in _inflight:
+                _inflight.remove(fut)
+
+
+def wait_for_saves(timeout: float | None = None) -> list[SaveFuture]:
+    """Wait until every async save of this process has committed or failed; returns
+    their futures (check ``exception()``). Call it before tearing down the process
+    group or exiting, or rely on the automatic wait (which warns)."""
+    with _state_lock:
+        futures = list(_inflight)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for f in futures:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        cf.wait([f._future], timeout=left)
+    return futures
+
+
+def _wait_before(event: str) -> None:
+    with _state_lock:
+        pending = [f for f in _inflight if not f.done()]
+    if not pending:
+        return
+    msg = (f"zarrckpt: {event} while {len(pending)} async save(s) are in flight "
+           f"({', '.join(f.path for f in pending)}); waiting for them to commit. Call "
+           "zarrckpt.wait_for_saves() (or SaveFuture.result()) first to silence this.")
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    log.warning(msg)
+    wait_for_saves()
+
+
+def _hooks() -> None:
+    zdist.on_destroy_process_group(lambda: _wait_before("destroy_process_group() was called"))
+    global _exit_hooked
+    if not _exit_hooked:
+        _exit_hooked = True
+        # runs before the interpreter joins non-daemon threads and before atexit handlers
+        threading._register_atexit(lambda: _wait_before("the interpreter is exiting"))
+
+
+_exit_hooked = False
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
                **options: Any) -> SaveFuture:
-    global _inflight
     t0 = time.perf_counter()
-    with _lock:
-        previous = _inflight
-    if previous is not None:
+    with _foreground:
+        with _state_lock:
+            previous = list(_inflight)
+        for f in previous:  # its staging buffer is about to be reused
+            cf.wait([f._future])
+        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
+        _hooks()
+        side = run.g.side_group()
+        plan_and_prepare(run)
         try:
-            previous.result()
-        except BaseException:  # noqa: BLE001 - already reported through its own future
-            pass
-    job = SaveJob(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
-    side = _side_group(job.g)
-    plan_and_prepare(job)
-    job.stage_all(shared_arena())
-    fut = SaveFuture(job, time.perf_counter() - t0)
-    with _lock:
-        _inflight = fut
-    threading.Thread(target=_background, args=(fut, side), name="zarrckpt-async-save",
-                     daemon=False).start()
+            error = run.stage(shared_arena())
+            run.g.agree_or_raise(error, f"staging the save to {run.url!r}", SaveFailedError)
+        except BaseException:
+            run.abandon()
+            raise
+        fut = SaveFuture(run, time.perf_counter() - t0)
+        with _state_lock:
+            _inflight.append(fut)
+        threading.Thread(target=_background, args=(fut, side), name="zarrckpt-async-save",
+                         daemon=False).start()
     return fut
-

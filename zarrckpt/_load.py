@@ -1,16 +1,28 @@
-"""Loading in place, with resharding. No collectives: every rank plans from the
-checkpoint's metadata and its own target tensors, then reads only the boxes its
-local shards cover.
+"""Loading in place, with resharding. Every rank plans from the checkpoint's metadata
+and its own targets, then reads only the boxes its local shards cover.
 
-Order: read root + array metadata -> validate every key, shape and dtype
-(nothing is touched before all of it passes) -> issue every region read at
-once, straight into the target's memory when it is a CPU tensor of the saved
-dtype, else into a host buffer then ``copy_`` -> set non-tensor values ->
-``load_state_dict`` on Stateful leaves.
+Phases (``g`` is the process group; C = one all-reduce, taken only when ``g`` has
+more than one rank; on failure every rank raises an error of one class naming
+the failing ranks)::
+
+    open()      read and check the root (committed, format version)
+    match()     target keys -> checkpoint keys (key_map); missing keys are an error,
+                keys the target lacks are reported (strict="exact": an error too)
+    validate()  every tensor target: shape, dtype (or cast), writable memory (no
+                stride-0 views); meta targets get real tensors. Nothing is touched
+                before every check passed on every rank.
+    C1
+    read()      every region read, straight into CPU targets of the saved dtype, else
+                through a bounded (pinned) arena then ``copy_``; then the root is
+                read again: a checkpoint replaced meanwhile is an error
+    C2
+    apply()     non-tensor values set, ``load_state_dict`` on Stateful leaves in key
+                order (the same order on every rank)
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -22,26 +34,29 @@ import torch
 from . import dist as zdist
 from . import dtypes
 from . import tree as ztree
-from ._save import is_array_leaf, is_stateful, resolve_stateful
+from ._io import InFlight
+from ._state import is_array_leaf, is_stateful, resolve_stateful
 from .errors import (
+    CheckpointChangedError,
     DTypeMismatchError,
+    LoadFailedError,
     MissingKeysError,
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeysError,
+    ZarrckptError,
 )
 from .layout import Layout, Replicate
-from ._io import InFlight
 from .reader import Checkpoint
 from .staging import Arena, sync_devices
-from .storage import Array
-from .storage._tensorstore import translate_error
+from .storage import Array, translate_error
 
 log = logging.getLogger("zarrckpt")
 
 __all__ = ["load", "load_state_dict"]
 
 KeyMap = Mapping[str, str] | Callable[[str], str] | None
+STRICT_MODES = (True, False, "exact")
 
 
 def _mapper(key_map: KeyMap) -> Callable[[str], str]:
@@ -57,98 +72,189 @@ def _fmt_keys(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+class LoadRun:
+    """One load on one rank, phase by phase."""
+
+    def __init__(self, state_dict: dict, path: Any, g: zdist.Group, *, strict: Any, key_map: KeyMap,
+                 cast: bool, max_staging_bytes: int, max_inflight_bytes: int) -> None:
+        if not isinstance(state_dict, dict):
+            raise StateDictMismatchError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        self.state_dict = state_dict
+        self.path = path
+        self.g = g
+        self.strict = strict
+        self.mapped = _mapper(key_map)
+        self.cast = cast
+        self.max_staging_bytes = max_staging_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.ckpt: Checkpoint | None = None
+        self.resolved: Any = None
+        self.targets: list[tuple[tuple, Any, str]] = []  # (key path, target leaf, checkpoint key)
+        self.tensors: list[tuple[tuple, Any, str]] = []  # the tensor targets among them
+        self.infos: dict = {}
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.reads: _Reads | None = None
+        self.timings: dict[str, float] = {}
+
+    def _timed(self, name: str, t0: float) -> None:
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+    def open(self) -> None:
+        self.ckpt = Checkpoint(self.path)
+
+    def match(self) -> None:
+        t0 = time.perf_counter()
+        ckpt = self.ckpt
+        self.resolved = resolve_stateful(self.state_dict)
+        seen = set()
+        for kp, leaf in ztree.flatten(self.resolved, is_array_leaf):
+            tkey = ztree.key_of(kp)
+            ckey = self.mapped(tkey)
+            if ckey not in ckpt:
+                self.missing.append(tkey if ckey == tkey else f"{tkey} (-> {ckey})")
+                continue
+            seen.add(ckey)
+            self.targets.append((kp, leaf, ckey))
+        self.unexpected = [k for k in ckpt.keys() if k not in seen]
+        if self.strict and self.missing:
+            raise MissingKeysError(
+                f"{len(self.missing)} key(s) of the target are not in checkpoint {ckpt.url!r}: "
+                f"{_fmt_keys(self.missing)} (pass strict=False to leave them as they are, or key_map=)")
+        if self.strict == "exact" and self.unexpected:
+            raise UnexpectedKeysError(
+                f"checkpoint {ckpt.url!r} holds {len(self.unexpected)} key(s) the target lacks: "
+                f"{_fmt_keys(self.unexpected)} (strict='exact'; the default strict=True ignores them)")
+        self._timed("plan", t0)
+
+    def validate(self) -> None:
+        """Check every tensor target against the checkpoint; touch nothing."""
+        t0 = time.perf_counter()
+        ckpt = self.ckpt
+        self.tensors = [t for t in self.targets if isinstance(t[1], torch.Tensor)]
+        for kp, _, ck in self.tensors:
+            if not ckpt.is_array(ck):
+                raise StateDictMismatchError(
+                    f"key {ztree.key_of(kp)!r}: the target is a tensor but the checkpoint holds a "
+                    f"{type(ckpt.read(ck)).__name__} value")
+        self.infos = ckpt.array_infos([ck for _, _, ck in self.tensors])
+        checked = []
+        for kp, leaf, ck in self.tensors:
+            info = self.infos[ck]
+            where = ztree.key_of(kp) + (f" (checkpoint key {ck!r})" if ck != ztree.key_of(kp) else "")
+            if info.kind in ("bytes", "bytesio"):
+                raise StateDictMismatchError(f"tensor {where!r}: the checkpoint holds bytes there")
+            if tuple(leaf.shape) != info.shape:
+                raise ShapeMismatchError(f"tensor {where!r}: saved shape {info.shape}, target {tuple(leaf.shape)}")
+            saved = dtypes.torch_dtype(info.dtype)
+            if saved != leaf.dtype and not self.cast:
+                raise DTypeMismatchError(
+                    f"tensor {where!r}: saved dtype {saved}, target {leaf.dtype} (pass cast=True to convert)")
+            if leaf.device.type == "meta":
+                leaf = _materialize(leaf)
+                self.resolved = ztree.set_at(self.resolved, kp, leaf)
+            for local, _ in _target_pieces(leaf, where):
+                if torch._debug_has_internal_overlap(local) == 1:
+                    raise StateDictMismatchError(
+                        f"tensor {where!r}: the target's elements share memory (an expanded or "
+                        "stride-0 view); loading into it would keep only one value per shared "
+                        "element. Pass a tensor that owns its memory (e.g. .clone()).")
+            checked.append((kp, leaf, ck))
+        self.tensors = checked
+        self._timed("plan", t0)
+
+    def read(self) -> None:
+        t0 = time.perf_counter()
+        self.reads = reads = _Reads(self.ckpt, self.max_staging_bytes, self.max_inflight_bytes)
+        todo = []
+        for kp, leaf, ck in self.tensors:
+            for local, boxes in _target_pieces(leaf, ztree.key_of(kp)):
+                if boxes:
+                    todo.append((ck, boxes, local))
+        try:
+            reads.open({ck for ck, _, _ in todo}, self.infos)
+            with reads.pending:
+                for ck, boxes, local in todo:
+                    reads.add(ck, self.infos[ck], boxes, local)
+                reads.finish()
+        except ZarrckptError:
+            self.check_unchanged()  # a replaced checkpoint explains missing chunks best
+            raise
+        self.check_unchanged()
+        self._timed("read", t0)
+
+    def check_unchanged(self) -> None:
+        """The root still names the save this load started reading (spec §7.3)."""
+        ckpt = self.ckpt
+        root = ckpt.storage.read_json("zarr.json")
+        attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
+        now = attrs.get("save_id") if isinstance(attrs, dict) else None
+        state = attrs.get("state") if isinstance(attrs, dict) else None
+        if now != ckpt.info.save_id or state != "committed":
+            raise CheckpointChangedError(
+                f"checkpoint {ckpt.url!r} was replaced while it was being read (save "
+                f"{ckpt.info.save_id} -> {now or 'none'}, state {state!r}); the targets hold a "
+                "mix of both: load again")
+
+    def apply(self) -> None:
+        """Set non-tensor values; Stateful leaves in key order, the same on every rank."""
+        t0 = time.perf_counter()
+        resolved = self.resolved
+        for kp, leaf, ck in self.targets:
+            if not isinstance(leaf, torch.Tensor):
+                resolved = ztree.set_at(resolved, kp, _load_value(self.ckpt, ck))
+        stateful: list[tuple[str, Any, Any]] = []
+        _apply(self.state_dict, resolved, (), stateful)
+        for _, obj, value in sorted(stateful, key=lambda s: s[0]):
+            obj.load_state_dict(value)
+        self._timed("apply", t0)
+
+    def report(self) -> dict:
+        reads = self.reads
+        return {"path": self.ckpt.url if self.ckpt else str(self.path), "rank": self.g.rank,
+                "bytes_needed": reads.bytes_needed if reads else 0,
+                "bytes_fetched": reads.bytes_fetched if reads else 0,
+                "missing": self.missing, "unexpected": self.unexpected,
+                "seconds": {**self.timings, "total": sum(self.timings.values())}}
+
+
 def load(
     state_dict: dict,
     path: Any,
     *,
     process_group: Any = None,
-    strict: bool = True,
+    strict: Any = True,
     key_map: KeyMap = None,
     cast: bool = False,
     report: dict | None = None,
     max_staging_bytes: int = 1 << 30,
     max_inflight_bytes: int = 256 << 20,
 ) -> dict:
-    t0 = time.perf_counter()
-    ckpt = Checkpoint(path)
+    if strict not in STRICT_MODES:
+        raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
     g = zdist.group(process_group)
-    resolved = resolve_stateful(state_dict)
-    mapped = _mapper(key_map)
-
-    targets = []  # (key path, target leaf, checkpoint key)
-    seen = set()
-    missing = []
-    for kp, leaf in ztree.flatten(resolved, is_array_leaf):
-        tkey = ztree.key_of(kp)
-        ckey = mapped(tkey)
-        if ckey not in ckpt:
-            missing.append(tkey if ckey == tkey else f"{tkey} (-> {ckey})")
-            continue
-        seen.add(ckey)
-        targets.append((kp, leaf, ckey))
-    unexpected = [k for k in ckpt.keys() if k not in seen]
-    if strict and missing:
-        raise MissingKeysError(
-            f"{len(missing)} key(s) of the target are not in checkpoint {ckpt.url!r}: "
-            f"{_fmt_keys(missing)} (pass strict=False to leave them as they are, or key_map=)"
-        )
-    if strict and unexpected:
-        raise UnexpectedKeysError(
-            f"checkpoint {ckpt.url!r} holds {len(unexpected)} key(s) the target lacks: "
-            f"{_fmt_keys(unexpected)} (pass strict=False to ignore them)"
-        )
-
-    # ---- validate everything before touching anything ------------------------
-    tensor_targets = [(kp, leaf, ck) for kp, leaf, ck in targets if isinstance(leaf, torch.Tensor)]
-    for kp, leaf, ck in tensor_targets:
-        if not ckpt.is_array(ck):
-            raise StateDictMismatchError(
-                f"key {ztree.key_of(kp)!r}: the target is a tensor but the checkpoint holds a "
-                f"{type(ckpt.read(ck)).__name__} value"
-            )
-    infos = ckpt.array_infos([ck for _, _, ck in tensor_targets])
-    for kp, leaf, ck in tensor_targets:
-        info = infos[ck]
-        where = ztree.key_of(kp) + (f" (checkpoint key {ck!r})" if ck != ztree.key_of(kp) else "")
-        if info.kind == "bytes":
-            raise StateDictMismatchError(f"tensor {where}: the checkpoint holds bytes there")
-        if tuple(leaf.shape) != info.shape:
-            raise ShapeMismatchError(
-                f"tensor {where!r}: saved shape {info.shape}, target {tuple(leaf.shape)}"
-            )
-        saved = dtypes.torch_dtype(info.dtype)
-        if saved != leaf.dtype and not cast:
-            raise DTypeMismatchError(
-                f"tensor {where!r}: saved dtype {saved}, target {leaf.dtype} "
-                "(pass cast=True to convert)"
-            )
-    t_plan = time.perf_counter() - t0
-
-    # ---- read ------------------------------------------------------------------
-    t1 = time.perf_counter()
-    reader = _Reads(ckpt, max_staging_bytes, max_inflight_bytes)
-    todo = []
-    for kp, leaf, ck in tensor_targets:
-        boxes, local = _target_boxes(leaf, g)
-        if local is not None and boxes:
-            todo.append((ck, boxes, local))
-    reader.open({ck for ck, _, _ in todo}, infos)
-    for ck, boxes, local in todo:
-        reader.add(ck, infos[ck], boxes, local)
-    reader.finish()
-    t_read = time.perf_counter() - t1
-
-    # ---- values and Stateful --------------------------------------------------
-    for kp, leaf, ck in targets:
-        if isinstance(leaf, torch.Tensor):
-            continue
-        resolved = ztree.set_at(resolved, kp, _load_value(ckpt, ck))
-    _apply(state_dict, resolved)
-    rep = {"path": ckpt.url, "rank": g.rank, "bytes_needed": reader.bytes_needed,
-           "bytes_fetched": reader.bytes_fetched,
-           "missing": missing, "unexpected": unexpected,
-           "seconds": {"plan": t_plan, "read": t_read, "total": time.perf_counter() - t0}}
-    log.info("zarrckpt load %s: %s", ckpt.url, rep)
+    run = None
+    error = None
+    try:
+        run = LoadRun(state_dict, path, g, strict=strict, key_map=key_map, cast=cast,
+                      max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes)
+        run.open()
+        run.match()
+        run.validate()
+    except BaseException as e:  # noqa: BLE001 - every rank learns it at C1
+        error = e
+    g.agree_or_raise(error, f"loading {str(path)!r}", LoadFailedError)  # C1
+    try:
+        run.read()
+    except BaseException as e:  # noqa: BLE001 - every rank learns it at C2
+        error = e
+    g.agree_or_raise(error, f"loading {str(path)!r}", LoadFailedError)  # C2
+    run.apply()
+    rep = run.report()
+    log.info("zarrckpt load %s: %s", rep["path"], rep)
+    if run.unexpected:
+        log.info("zarrckpt load %s: %d checkpoint key(s) not in the target: %s", rep["path"],
+                 len(run.unexpected), _fmt_keys(run.unexpected))
     if report is not None:
         report.update(rep)
     return state_dict
@@ -163,7 +269,7 @@ class _Reads:
         self.arena = None
         self.max_staging_bytes = max_staging_bytes
         self.arrays: dict[str, Any] = {}
-        self.pending = InFlight(max_inflight_bytes)  # reads in flight
+        self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.bytes_needed = 0
         self.bytes_fetched = 0
@@ -188,8 +294,8 @@ class _Reads:
         if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
             full = self.ckpt.read(key)
             for gbox, lbox in boxes:
-                view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
-                view[...] = full[tuple(slice(a, b) for a, b in gbox)] if gbox else full
+                view = dst[_slices(lbox)] if lbox else dst
+                view[...] = full[_slices(gbox)] if gbox else full
                 self.bytes_needed += view.nbytes
                 self.bytes_fetched += view.nbytes
             return
@@ -198,7 +304,7 @@ class _Reads:
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
-            view = dst[tuple(slice(a, b) for a, b in lbox)] if lbox else dst
+            view = dst[_slices(lbox)] if lbox else dst
             self.pending.add(key, arr.read_into(gbox, view), view.nbytes)
             self.bytes_needed += view.nbytes
             self.bytes_fetched += _fetched(gbox, inner, info.shape) * view.itemsize
@@ -230,6 +336,10 @@ class _Reads:
         self._flush()
 
 
+def _slices(box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
 def _read_unit(info: Any) -> tuple[int, ...]:
     """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
     for c in info.metadata.get("codecs", []):
@@ -250,45 +360,72 @@ def _load_value(ckpt: Checkpoint, key: str) -> Any:
         return ckpt.read(key)
     info = ckpt.array_info(key)
     data = ckpt.read(key)
+    if info.kind == "bytesio":
+        return io.BytesIO(data if isinstance(data, bytes) else np.asarray(data).tobytes())
     if info.kind in ("bytes", "ndarray"):
         return data
     return dtypes.from_numpy(data, info.dtype)
 
 
-def _target_boxes(leaf: torch.Tensor, g: zdist.Group):
-    """(global box, local box) pairs the target needs, and its local tensor (None: not held)."""
+def _materialize(leaf: torch.Tensor) -> torch.Tensor:
+    """A real tensor for a meta target (as DCP does): on the mesh's device for DTensors,
+    on the CPU otherwise. It replaces the target in the returned state dict."""
+    if zdist.is_dtensor(leaf):
+        from torch.distributed.tensor import DTensor
+
+        mesh = leaf.device_mesh
+        device = mesh.device_type
+        if device == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        local = torch.empty(leaf.to_local().shape, dtype=leaf.dtype, device=device)
+        return DTensor.from_local(local, mesh, leaf.placements, run_check=False,
+                                  shape=leaf.shape, stride=leaf.stride())
+    if zdist.is_sharded_tensor(leaf):
+        raise StateDictMismatchError("a ShardedTensor target on the meta device cannot be materialized")
+    return torch.empty(leaf.shape, dtype=leaf.dtype, device="cpu")
+
+
+def _target_pieces(leaf: torch.Tensor, key: str) -> list[tuple[torch.Tensor, list]]:
+    """(local tensor, [(global box, local box), ...]) for each local piece of a target."""
     if zdist.is_dtensor(leaf):
         mesh_shape, _, placements, _, _, coord = zdist.dtensor_info(leaf)
         if coord is None:
-            return [], None
+            return []
         layout = Layout(tuple(leaf.shape), mesh_shape, placements)
         local = leaf._local_tensor if hasattr(leaf, "_local_tensor") else leaf.to_local()
         if tuple(local.shape) != layout.local_shape(coord):
             raise StateDictMismatchError(
-                f"DTensor local shape {tuple(local.shape)} differs from "
-                f"{layout.local_shape(coord)} computed from {leaf.placements}"
-            )
-        return list(layout.local_boxes(coord)), local
+                f"tensor {key!r}: DTensor local shape {tuple(local.shape)} differs from "
+                f"{layout.local_shape(coord)} computed from {leaf.placements}")
+        return [(local, list(layout.local_boxes(coord)))]
+    if zdist.is_sharded_tensor(leaf):
+        pieces = []
+        for shard in leaf.local_shards():
+            md = shard.metadata
+            gbox = tuple((o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes))
+            pieces.append((shard.tensor, [(gbox, tuple((0, s) for s in md.shard_sizes))]))
+        return pieces
     layout = Layout(tuple(leaf.shape), (1,), (Replicate(),))
-    return list(layout.local_boxes((0,))), leaf
+    return [(leaf, list(layout.local_boxes((0,))))]
 
 
-def _apply(orig: Any, res: Any) -> Any:
-    """Write loaded values back into the caller's structure; Stateful gets load_state_dict."""
+def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:
+    """Write loaded values back into the caller's structure; Stateful leaves are collected
+    (with their key) for ``load_state_dict`` in key order."""
     if is_stateful(orig):
-        orig.load_state_dict(res)
+        stateful.append((ztree.key_of(path), orig, res))
         return orig
     if isinstance(orig, dict) and isinstance(res, dict):
         for k in orig:
             if k in res:
-                orig[k] = _apply(orig[k], res[k])
+                orig[k] = _apply(orig[k], res[k], path + (k,), stateful)
         return orig
     if isinstance(orig, list) and isinstance(res, (list, tuple)) and len(orig) == len(res):
         for i in range(len(orig)):
-            orig[i] = _apply(orig[i], res[i])
+            orig[i] = _apply(orig[i], res[i], path + (i,), stateful)
         return orig
     if isinstance(orig, tuple) and isinstance(res, (list, tuple)) and len(orig) == len(res):
-        return type(orig)(_apply(o, r) for o, r in zip(orig, res))
+        return type(orig)(_apply(o, r, path + (i,), stateful) for i, (o, r) in enumerate(zip(orig, res)))
     if isinstance(orig, torch.Tensor) and orig is res:
         return orig
     return res
@@ -297,8 +434,4 @@ def _apply(orig: Any, res: Any) -> Any:
 def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:
     """The whole checkpoint (or the keys/prefixes asked for) as plain CPU tensors."""
     ckpt = Checkpoint(path)
-
-    def load_array(key: str) -> Any:
-        return _load_value(ckpt, key)
-
-    return ckpt.to_dict(keys, load_array)
+    return ckpt.to_dict(keys, lambda key: _load_value(ckpt, key))

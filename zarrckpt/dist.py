@@ -1,24 +1,53 @@
 """The only module that calls ``torch.distributed``.
 
-Every collective zarrckpt issues is one of the named functions below, so the
-number and order of collectives in a save can be read off ``_save.py``.
+Every collective zarrckpt issues is one of the named methods of :class:`Group`,
+so the number and order of collectives in a save can be read off ``_save.py``.
 Without an initialised process group everything degrades to a world of one.
+
+A collective that fails (a peer died, the group timed out) raises
+:class:`~zarrckpt.errors.DistributedError`, never a bare backend ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "group"]
+from .errors import DistributedError, ZarrckptError, by_name
+
+__all__ = ["Group", "group", "is_dtensor", "dtensor_info", "on_destroy_process_group"]
 
 
-@dataclass
+def _collective(op: str):
+    """Decorator: a failed collective becomes a DistributedError naming the operation."""
+
+    def wrap(fn):
+        def run(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except ZarrckptError:
+                raise
+            except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, DistBackendError
+                raise DistributedError(
+                    f"collective {op} over {self.size} ranks failed on rank {self.rank}: {e} "
+                    "(a peer process died or the group timed out)"
+                ) from e
+
+        run.__name__ = fn.__name__
+        run.__doc__ = fn.__doc__
+        return run
+
+    return wrap
+
+
+@dataclass(frozen=True)
 class Group:
     """A process group (or the single-process world) as zarrckpt uses it."""
 
@@ -30,11 +59,31 @@ class Group:
     def active(self) -> bool:
         return self.pg is not None and self.size > 1
 
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.pg is None else dist.get_global_rank(self.pg, group_rank)
+
+    def global_ranks(self) -> tuple[int, ...]:
+        return tuple(self.global_rank(r) for r in range(self.size))
+
+    def timeout(self) -> timedelta | None:
+        """The group's collective timeout (gloo/NCCL backends), if torch tells it."""
+        if self.pg is None:
+            return None
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                t = self.pg._get_backend(device).options._timeout
+            except Exception:  # noqa: BLE001 - private API, absent on some backends/versions
+                continue
+            if isinstance(t, timedelta):
+                return t
+        return None
+
     def _device(self) -> torch.device:
         if self.pg is not None and dist.get_backend(self.pg) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    @_collective("all_true")
     def all_true(self, ok: bool) -> bool:
         """True iff ``ok`` on every rank (one all-reduce)."""
         if not self.active:
@@ -43,26 +92,32 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return int(t.item()) == 0
 
-    def check(self, ok: bool, payload: bytes, root_values: Sequence[int] = ()) -> tuple[bool, bool, list[int]]:
-        """One all-reduce: (``ok`` on every rank, same ``payload`` on every rank, rank 0's
-        ``root_values`` — non-negative ints below 2**62 — on every rank)."""
+    @_collective("check")
+    def check(self, ok: bool, payloads: Sequence[bytes], root_values: Sequence[int] = ()
+              ) -> tuple[bool, list[bool], list[int]]:
+        """One all-reduce: (``ok`` on every rank, for each payload whether it is the same on
+        every rank, rank 0's ``root_values`` — non-negative ints below 2**62 — everywhere)."""
         if not self.active:
-            return ok, True, list(root_values)
-        h = int.from_bytes(hashlib.blake2b(payload, digest_size=7).digest(), "little")
+            return ok, [True] * len(payloads), list(root_values)
+        hs = [int.from_bytes(hashlib.blake2b(p, digest_size=7).digest(), "little") for p in payloads]
         mine = list(root_values) if self.rank == 0 else [0] * len(root_values)
-        t = torch.tensor([0 if ok else 1, h, -h, *mine], dtype=torch.int64, device=self._device())
+        body = [v for h in hs for v in (h, -h)]
+        t = torch.tensor([0 if ok else 1, *body, *mine], dtype=torch.int64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         vals = [int(v) for v in t.tolist()]
-        return vals[0] == 0, vals[1] == -vals[2], vals[3:]
+        same = [vals[1 + 2 * i] == -vals[2 + 2 * i] for i in range(len(hs))]
+        return vals[0] == 0, same, vals[1 + 2 * len(hs):]
 
+    @_collective("gather_object")
     def gather_to_root(self, obj: Any) -> list[Any] | None:
         """Objects of all ranks on rank 0 (None elsewhere). Only used on slow paths."""
         if not self.active:
             return [obj]
         out = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.pg, 0), group=self.pg)
+        dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
         return out
 
+    @_collective("all_gather_object")
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.active:
             return [obj]
@@ -70,11 +125,7 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def group_rank(self, global_rank: int) -> int:
-        if self.pg is None:
-            return global_rank
-        return dist.get_group_rank(self.pg, global_rank)
-
+    @_collective("batch_isend_irecv")
     def exchange(
         self,
         sends: Sequence[tuple[int, torch.Tensor]],
@@ -88,14 +139,50 @@ class Group:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    def new_side_group(self) -> Group:
-        """A new group over the same ranks, for background work that must not share the
-        caller's group (its collectives would interleave with the training loop's)."""
+    def agree_or_raise(self, error: BaseException | None, what: str,
+                       fallback: type[ZarrckptError]) -> None:
+        """One all-reduce; if any rank failed, every rank raises an error of one class.
+
+        The failing ranks' errors are gathered (a slow path, taken only on failure) so
+        that every message names each failing rank and its error. A rank that failed
+        with a zarrckpt error re-raises it; the others raise the same class (or
+        ``fallback`` when the first failure is not a zarrckpt error).
+        """
+        if self.all_true(error is None):
+            return
+        if not self.active:
+            raise error
+        msg = None if error is None else (type(error).__name__, str(error))
+        msgs = self.all_gather(msg)
+        bad = {r: m for r, m in enumerate(msgs) if m is not None}
+        first = bad[min(bad)]
+        cls = by_name(first[0]) or fallback
+        text = (f"{what} failed on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {name}: {m}" for r, (name, m) in sorted(bad.items())))
+        if isinstance(error, ZarrckptError) and (len(bad) == 1 or type(error) is cls):
+            raise error
+        raise cls(text) from error
+
+    def side_group(self) -> Group:
+        """A group over the same ranks for background work that must not share the
+        caller's group (its collectives would interleave with the training loop's).
+        Created once per set of ranks, by those ranks only, with the caller's timeout."""
         if not self.active:
             return self
-        ranks = [dist.get_global_rank(self.pg, r) for r in range(self.size)]
-        pg = dist.new_group(ranks=ranks, backend="gloo")
-        return Group(pg, self.rank, self.size)
+        ranks = self.global_ranks()
+        with _side_lock:
+            side = _side_groups.get(ranks)
+            if side is None:
+                kwargs: dict[str, Any] = {"use_local_synchronization": True}
+                if self.timeout() is not None:
+                    kwargs["timeout"] = self.timeout()
+                pg = dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)
+                side = _side_groups[ranks] = Group(pg, self.rank, self.size)
+            return side
+
+
+_side_groups: dict[tuple[int, ...], Group] = {}
+_side_lock = threading.Lock()
 
 
 def group(process_group: Any = None) -> Group:
@@ -106,12 +193,56 @@ def group(process_group: Any = None) -> Group:
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
 
+# ----------------------------------------------------------- process-group teardown
+
+_destroy_callbacks: list[Callable[[], None]] = []
+_destroy_hooked = False
+
+
+def on_destroy_process_group(callback: Callable[[], None]) -> None:
+    """Run ``callback`` before ``torch.distributed.destroy_process_group`` tears groups down
+    (async saves in flight need their side group until they commit)."""
+    global _destroy_hooked
+    with _side_lock:
+        if callback not in _destroy_callbacks:
+            _destroy_callbacks.append(callback)
+        if _destroy_hooked:
+            return
+        _destroy_hooked = True
+        from torch.distributed import distributed_c10d as c10d
+
+        original = c10d.destroy_process_group
+
+        def destroy_process_group(group: Any = None) -> None:
+            for cb in list(_destroy_callbacks):
+                cb()
+            if group is None:
+                _side_groups.clear()
+            original(group)
+
+        destroy_process_group.__doc__ = original.__doc__
+        destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group
+        dist.destroy_process_group = destroy_process_group
+
+
+# ------------------------------------------------------------------ DTensor & co.
+
+
 def is_dtensor(obj: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         return False
     return isinstance(obj, DTensor)
+
+
+def is_sharded_tensor(obj: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, ShardedTensor)
 
 
 def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple, Any, str, tuple[int, ...] | None]:
@@ -153,3 +284,46 @@ def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple
         mesh.device_type,
         tuple(coord) if coord is not None else None,
     )
+
+
+@dataclass(frozen=True)
+class ShardedInfo:
+    """A ShardedTensor with a ChunkShardingSpec seen as a 1-D mesh with ``Shard(dim)``."""
+
+    dim: int
+    ranks: tuple[int, ...]  # global rank of each mesh coordinate
+    device_type: str
+    coord: tuple[int, ...] | None  # this process's coordinate (None: holds no shard)
+    local: torch.Tensor | None
+
+
+def sharded_tensor_info(st: Any, key: str) -> ShardedInfo:
+    """Map a ShardedTensor to a Shard layout; refuse sharding specs that have none."""
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from .errors import UnsupportedPlacementError
+
+    spec = st.sharding_spec()
+    if not isinstance(spec, ChunkShardingSpec) or not isinstance(spec.dim, int):
+        raise UnsupportedPlacementError(
+            f"tensor {key!r}: ShardedTensor with {type(spec).__name__} has no stored layout; only "
+            "ChunkShardingSpec over an integer dim is supported (convert to a DTensor first)")
+    ndim = len(st.size())
+    dim = spec.dim % ndim if ndim else 0
+    ranks = []
+    device_type = "cpu"
+    for p in spec.placements:
+        ranks.append(int(p.rank()))
+        device_type = p.device().type
+    pg = st._process_group
+    me = dist.get_rank()
+    # placements name ranks of the ShardedTensor's process group; map them to global ranks
+    granks = tuple(dist.get_global_rank(pg, r) if pg is not None and pg is not dist.group.WORLD else r
+                   for r in ranks)
+    coord = (granks.index(me),) if me in granks else None
+    locals_ = st.local_shards()
+    if len(locals_) > 1:
+        raise UnsupportedPlacementError(f"tensor {key!r}: a ShardedTensor with several local shards "
+                                        "on one rank has no stored layout")
+    local = locals_[0].tensor if locals_ else None
+    return ShardedInfo(dim, granks, device_type, coord, local)

@@ -9,6 +9,10 @@ Each class also subclasses the builtin a caller would naturally catch, so
     ├── CheckpointExistsError        (FileExistsError)    refusing to overwrite
     ├── FormatError                  (ValueError)         metadata that breaks the spec
     ├── CorruptChunkError            (OSError)            a chunk is missing or fails its checksum
+    ├── StorageError                 (OSError)            the store refused or failed an operation
+    │                                                     (full disk, read-only, permission,
+    │                                                     unreachable endpoint, missing bucket)
+    ├── CheckpointChangedError       (RuntimeError)       replaced while it was being read
     ├── StateDictMismatchError       (ValueError)         target and checkpoint disagree
     │   ├── MissingKeysError         (KeyError)
     │   ├── UnexpectedKeysError      (KeyError)
@@ -16,7 +20,14 @@ Each class also subclasses the builtin a caller would naturally catch, so
     │   └── DTypeMismatchError       (TypeError)
     ├── UnsupportedValueError        (TypeError)          a leaf that can't be stored
     ├── UnsupportedPlacementError    (ValueError)         e.g. Partial()
-    └── SaveFailedError              (RuntimeError)       some rank failed during a save
+    ├── SaveFailedError              (RuntimeError)       some rank failed during a save
+    │   └── ConcurrentSaveError                           another save took the path over
+    ├── LoadFailedError              (RuntimeError)       another rank's load failed
+    └── DistributedError             (RuntimeError)       a collective failed (a peer died)
+
+When one rank fails, every rank of the group raises an error of the same class,
+naming the ranks that failed (``SaveFailedError``/``LoadFailedError`` when the
+failing rank's error is not a zarrckpt error).
 
 Messages say what was expected, what was found, and where (the key).
 """
@@ -24,16 +35,21 @@ Messages say what was expected, what was found, and where (the key).
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ConcurrentSaveError",
     "CorruptChunkError",
     "DTypeMismatchError",
+    "DistributedError",
     "FormatError",
     "IncompleteCheckpointError",
+    "LoadFailedError",
     "MissingKeysError",
     "SaveFailedError",
     "ShapeMismatchError",
     "StateDictMismatchError",
+    "StorageError",
     "UnexpectedKeysError",
     "UnsupportedPlacementError",
     "UnsupportedValueError",
@@ -68,6 +84,15 @@ class CorruptChunkError(ZarrckptError, OSError):
     """A chunk is missing, truncated or fails its crc32c checksum."""
 
 
+class StorageError(ZarrckptError, OSError):
+    """The store refused or failed an operation: a full disk, a read-only mount, a
+    permission problem, an unreachable endpoint, a missing bucket, refused credentials."""
+
+
+class CheckpointChangedError(ZarrckptError, RuntimeError):
+    """The checkpoint at the path was replaced (overwritten) while it was being read."""
+
+
 class StateDictMismatchError(ZarrckptError, ValueError):
     """The target state dict and the checkpoint disagree."""
 
@@ -98,3 +123,22 @@ class UnsupportedPlacementError(ZarrckptError, ValueError):
 
 class SaveFailedError(ZarrckptError, RuntimeError):
     """At least one rank failed while writing; the checkpoint was not committed."""
+
+
+class ConcurrentSaveError(SaveFailedError):
+    """Another save to the same path committed first or took the path over; this one
+    was not committed (the other save's checkpoint is intact)."""
+
+
+class LoadFailedError(ZarrckptError, RuntimeError):
+    """A load failed on another rank of the group (the message names it and its error)."""
+
+
+class DistributedError(ZarrckptError, RuntimeError):
+    """A collective of zarrckpt failed: a peer process died or the group timed out."""
+
+
+def by_name(name: str) -> type[ZarrckptError] | None:
+    """The zarrckpt error class called ``name`` (to raise one rank's error class on all)."""
+    cls = globals().get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, ZarrckptError) else None

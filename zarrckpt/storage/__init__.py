@@ -11,8 +11,13 @@ regions (chunk writes, region reads). URLs name kvstores (spec §3):
 ``s3://bucket/prefix``       S3; ``AWS_ENDPOINT_URL``/``AWS_REGION`` honoured
 ``gs://bucket/prefix``       Google Cloud Storage
 ==========================  ===============================================
+
+Errors of the store become :class:`~zarrckpt.errors.StorageError` (full disk,
+read-only, permission, unreachable endpoint) or
+:class:`~zarrckpt.errors.CorruptChunkError` (missing or damaged chunk), decided by
+TensorStore's status code (:func:`translate_error`).
 """
 
-from ._tensorstore import Array, Storage, StorageOptions, kvstore_spec
+from ._tensorstore import Array, Storage, StorageOptions, kvstore_spec, storage_error, translate_error
 
-__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec"]
+__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec", "storage_error", "translate_error"]

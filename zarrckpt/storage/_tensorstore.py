@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import ctypes
+import errno as _errno
 import json
 import os
+import re
 import shutil
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -15,9 +21,9 @@ import google_crc32c
 import numpy as np
 import tensorstore as ts
 
-from ..errors import CheckpointNotFoundError, CorruptChunkError, FormatError
+from ..errors import CheckpointNotFoundError, CorruptChunkError, FormatError, StorageError, ZarrckptError
 
-__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec"]
+__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec", "translate_error"]
 
 
 def kvstore_spec(url: str | os.PathLike) -> dict[str, Any]:
@@ -29,6 +35,9 @@ def kvstore_spec(url: str | os.PathLike) -> dict[str, Any]:
         path = parsed.path if scheme == "file" else url
         if not path:
             raise CheckpointNotFoundError(f"empty checkpoint path {url!r}")
+        path = os.path.expanduser(path)
+        if os.path.lexists(path):  # write through a symlink, not over it
+            path = os.path.realpath(path)
         return {"driver": "file", "path": os.path.abspath(path).rstrip("/") + "/"}
     if scheme == "memory":
         return {"driver": "memory", "path": (parsed.netloc + parsed.path).strip("/") + "/"}
@@ -53,47 +62,140 @@ def kvstore_spec(url: str | os.PathLike) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """TensorStore concurrency settings (spec-neutral; chosen from benchmarks, overridable).
+    """TensorStore settings (spec-neutral; chosen from benchmarks, overridable).
 
     ``file_io_concurrency``: parallel file operations per process.
     ``data_copy_concurrency``: threads encoding/decoding chunks (crc32c, zstd).
     ``fsync``: how local files are made durable before the commit relies on them:
     ``"end"`` (default) one ``syncfs`` of the file system per rank after all its writes,
     ``"each"`` an fsync per file as TensorStore writes it, ``"off"`` none (scratch space).
+    ``request_retries``: object stores (S3, GCS) retry a failed request this many times,
+    with exponential backoff from 0.25 s to 8 s, then the operation fails (TensorStore's
+    default retries forever, so an unreachable endpoint would hang a save).
     """
 
     file_io_concurrency: int = 32
     data_copy_concurrency: int = field(default_factory=lambda: max(os.cpu_count() or 1, 1))
     fsync: str = "end"
+    request_retries: int = 6
 
     def __post_init__(self) -> None:
         if self.fsync not in ("end", "each", "off"):
             raise ValueError(f"fsync must be 'end', 'each' or 'off', not {self.fsync!r}")
+        if self.request_retries < 0:
+            raise ValueError(f"request_retries must be >= 0, not {self.request_retries!r}")
 
     def context(self) -> ts.Context:
-        return ts.Context(
-            {
-                "file_io_concurrency": {"limit": self.file_io_concurrency},
-                "data_copy_concurrency": {"limit": self.data_copy_concurrency},
-                "file_io_sync": self.fsync == "each",
-                "cache_pool": {"total_bytes_limit": 0},
-            }
-        )
+        """The TensorStore context for these options: one per process and options value,
+        all children of one root context, so ``memory://`` data outlives a call."""
+        with _contexts_lock:
+            ctx = _contexts.get(self)
+            if ctx is None:
+                retries = {"max_retries": self.request_retries, "initial_delay": "0.25s",
+                           "max_delay": "8s"}
+                spec = {
+                    "file_io_concurrency": {"limit": self.file_io_concurrency},
+                    "data_copy_concurrency": {"limit": self.data_copy_concurrency},
+                    "file_io_sync": self.fsync == "each",
+                    "cache_pool": {"total_bytes_limit": 0},
+                    "s3_request_retries": retries,
+                    "gcs_request_retries": retries,
+                }
+                ctx = _contexts[self] = ts.Context(ts.Context.Spec(spec), parent=_root_context())
+            return ctx
+
+
+_contexts: dict[StorageOptions, ts.Context] = {}
+_contexts_lock = threading.Lock()
+_ROOT: list[ts.Context] = []
+
+
+def _root_context() -> ts.Context:
+    if not _ROOT:
+        _ROOT.append(ts.Context())
+    return _ROOT[0]
+
+
+# ------------------------------------------------------------------------ errors
+
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED")
+
+
+def status_code(exc: BaseException) -> str | None:
+    """TensorStore's absl status code (``"DATA_LOSS"`` ...), which leads its messages."""
+    m = _STATUS.match(str(exc))
+    return m.group(1) if m else None
+
+
+def storage_error(what: str, exc: BaseException) -> StorageError:
+    """A StorageError for an OSError or a TensorStore status, keeping ``errno``."""
+    if isinstance(exc, OSError):
+        reason = {
+            _errno.ENOSPC: "no space left on the device",
+            _errno.EDQUOT: "disk quota exceeded",
+            _errno.EROFS: "read-only file system",
+            _errno.EACCES: "permission denied",
+            _errno.EPERM: "operation not permitted",
+        }.get(exc.errno, exc.strerror or str(exc))
+        err = StorageError(f"{what}: {reason}" + (f" ({exc.filename})" if exc.filename else ""))
+        err.errno, err.strerror, err.filename = exc.errno, exc.strerror, exc.filename
+        return err
+    code = status_code(exc)
+    reason = {
+        "RESOURCE_EXHAUSTED": "storage is full or a quota is exhausted",
+        "PERMISSION_DENIED": "permission denied",
+        "UNAUTHENTICATED": "credentials refused",
+        "NOT_FOUND": "not found (a missing bucket or directory?)",
+    }.get(code or "", "storage unreachable or failing" if code in _UNREACHABLE else "storage error")
+    err = StorageError(f"{what}: {reason} ({exc})")
+    if code == "RESOURCE_EXHAUSTED":
+        err.errno = _errno.ENOSPC
+    return err
+
+
+def translate_error(exc: BaseException, key: str, op: str = "read") -> BaseException:
+    """Map an error of a storage operation on array ``key`` to a zarrckpt error that names
+    it, by TensorStore's status code (``op``: ``"read"`` or ``"write"``)."""
+    if isinstance(exc, ZarrckptError):
+        return exc
+    if isinstance(exc, OSError):
+        return storage_error(f"array {key!r}: {op} failed", exc)
+    code = status_code(exc)
+    if op == "read":
+        if code == "DATA_LOSS":
+            return CorruptChunkError(f"array {key!r}: a chunk fails its checksum or is damaged ({exc})")
+        if code == "NOT_FOUND":
+            return CorruptChunkError(f"array {key!r}: a chunk is missing from storage ({exc})")
+        if code in ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "OUT_OF_RANGE"):
+            return CorruptChunkError(f"array {key!r}: a chunk cannot be decoded ({exc})")
+    if code is None and not isinstance(exc, (ValueError, TimeoutError)):
+        return exc  # not a storage error (e.g. a bug): keep it as it is
+    return storage_error(f"array {key!r}: {op} failed", exc)
+
+
+# ------------------------------------------------------------------------ local files
 
 
 def _syncfs(path: str) -> None:
     """Flush the file system holding ``path`` (Linux syncfs; os.sync elsewhere)."""
-    import ctypes
-
     fd = os.open(path, os.O_RDONLY)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if hasattr(libc, "syncfs"):
             if libc.syncfs(fd) != 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"syncfs({path!r}) failed: {os.strerror(err)}")
+                raise OSError(err, f"syncfs failed: {os.strerror(err)}", path)
         else:  # pragma: no cover - non-Linux
             os.sync()
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -111,6 +213,25 @@ def _put_file(path: str, data: bytes, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (_errno.EINVAL, _errno.ENOSYS, _errno.ENOTSUP):
+        return False  # file system or kernel without RENAME_EXCHANGE (NFS, old kernels)
+    raise OSError(err, os.strerror(err), a)
+
+
 class Array:
     """An open Zarr v3 array: region writes and reads by global box."""
 
@@ -122,41 +243,30 @@ class Array:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._ts.shape)
 
+    def _region(self, box: tuple[tuple[int, int], ...] | None) -> ts.TensorStore:
+        return self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
+
     def write(self, box: tuple[tuple[int, int], ...], data: np.ndarray, *, stable: bool) -> ts.Future:
         """Write ``data`` into ``box``. ``stable``: the caller keeps ``data`` unchanged until
         the future completes, so TensorStore may use it without copying."""
-        region = self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
-        return region.write(data, can_reference_source_data_indefinitely=stable)
+        return self._region(box).write(data, can_reference_source_data_indefinitely=stable)
 
     def read_into(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> ts.Future:
         """Read ``box`` straight into ``out`` (a possibly strided view), without a temporary."""
-        region = self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
-        return ts.array(out, copy=False, write=True).write(region)
+        return ts.array(out, copy=False, write=True).write(self._region(box))
 
     def read(self, box: tuple[tuple[int, int], ...] | None = None) -> ts.Future:
-        region = self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
-        return region.read()
-
-
-def translate_error(exc: BaseException, key: str) -> BaseException:
-    """Map TensorStore's status errors on data to zarrckpt errors naming the array."""
-    msg = str(exc)
-    if "DATA_LOSS" in msg or "Digest mismatch" in msg or "checksum" in msg.lower():
-        return CorruptChunkError(f"array {key!r}: a chunk fails its checksum or is damaged ({msg})")
-    if "NOT_FOUND" in msg or "missing" in msg.lower():
-        return CorruptChunkError(f"array {key!r}: a chunk is missing from storage ({msg})")
-    if "FAILED_PRECONDITION" in msg or ("INVALID_ARGUMENT" in msg and "decod" in msg.lower()):
-        return CorruptChunkError(f"array {key!r}: a chunk cannot be decoded ({msg})")
-    return exc
+        return self._region(box).read()
 
 
 class Storage:
-    """A checkpoint directory on some kvstore."""
+    """A checkpoint directory (or key prefix) on some kvstore."""
 
-    def __init__(self, url: str | os.PathLike, options: StorageOptions | None = None) -> None:
+    def __init__(self, url: str | os.PathLike, options: StorageOptions | None = None, *,
+                 spec: dict[str, Any] | None = None) -> None:
         self.url = os.fspath(url)
         self.options = options or StorageOptions()
-        self.spec = kvstore_spec(url)
+        self.spec = spec if spec is not None else kvstore_spec(url)
         self.context = self.options.context()
         self._kv: ts.KvStore | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -164,33 +274,59 @@ class Storage:
     @property
     def kv(self) -> ts.KvStore:
         if self._kv is None:
-            self._kv = ts.KvStore.open(self.spec, context=self.context).result()
+            try:
+                self._kv = ts.KvStore.open(self.spec, context=self.context).result()
+            except ValueError as e:
+                raise storage_error(f"cannot open {self.url!r}", e) from e
         return self._kv
 
     @property
     def local_path(self) -> str | None:
         return self.spec["path"] if self.spec["driver"] == "file" else None
 
+    @property
+    def can_rename(self) -> bool:
+        """Whole checkpoints can be moved into place atomically (local file systems)."""
+        return self.local_path is not None
+
+    def close(self) -> None:
+        """Wait for and release the plain-file writer threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     # ---- documents ----------------------------------------------------------
+
+    def read_bytes(self, key: str) -> tuple[bytes | None, bytes]:
+        """(the bytes at ``key`` or None, their storage generation for conditional writes)."""
+        try:
+            r = self.kv.read(key).result()
+        except ValueError as e:
+            raise storage_error(f"reading {self.url}/{key}", e) from e
+        return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
     def read_json(self, key: str) -> dict[str, Any] | None:
         """The JSON document at ``key``, or None if absent."""
-        r = self.kv.read(key).result()
-        if r.state != "value":
+        data, _ = self.read_bytes(key)
+        if data is None:
             return None
         try:
-            doc = json.loads(r.value)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise FormatError(f"{self.url}/{key} is not valid JSON: {e}") from None
         if not isinstance(doc, dict):
             raise FormatError(f"{self.url}/{key}: expected a JSON object")
         return doc
 
-    def write_json(self, key: str, doc: dict[str, Any], *, atomic: bool = False) -> Any:
-        """Write a document. ``atomic``: readers see the old or the new bytes, never a mix
-        (TensorStore's write-then-rename); needed for the root ``zarr.json`` only."""
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        return self.kv.write(key, data) if atomic else self.put(key, data)
+    def write_atomic(self, key: str, data: bytes, *, if_equal: bytes | None = None) -> bool:
+        """Write one document so readers see the old or the new bytes, never a mix
+        (TensorStore's write-then-rename). ``if_equal``: only if the key still has this
+        generation (``b""``: any). Returns False when that condition failed."""
+        try:
+            stamp = self.kv.write(key, data, if_equal=if_equal or None).result()
+        except ValueError as e:
+            raise storage_error(f"writing {self.url}/{key}", e) from e
+        return bool(stamp.generation) or not if_equal
 
     def put(self, key: str, data: bytes) -> Any:
         """Write one small object; returns a future. On a local file system this is a plain
@@ -220,33 +356,128 @@ class Storage:
         path = self.local_path
         if path is None or self.options.fsync != "end":
             return  # object stores: a completed PUT is durable
-        _syncfs(path)
+        try:
+            _syncfs(path)
+        except OSError as e:
+            raise storage_error(f"making {self.url!r} durable", e) from e
+
+    # ---- the location as a whole ------------------------------------------------
 
     def is_empty(self) -> bool:
         path = self.local_path
-        if path is not None:
-            return not os.path.exists(path) or not os.listdir(path)
-        return not self.kv.list(ts.KvStore.KeyRange("", "")).result()
+        try:
+            if path is not None:
+                if os.path.lexists(path.rstrip("/")) and not os.path.isdir(path):
+                    return False  # a file, a FIFO ...: not ours
+                return not os.path.exists(path) or not os.listdir(path)
+            return not self.kv.list(ts.KvStore.KeyRange("", "")).result()
+        except (OSError, ValueError) as e:
+            raise storage_error(f"listing {self.url!r}", e) from e
 
     def exists(self) -> bool:
         path = self.local_path
-        return os.path.isdir(path) if path is not None else not self.is_empty()
+        return os.path.lexists(path.rstrip("/")) if path is not None else not self.is_empty()
 
-    def clear(self) -> None:
-        """Delete everything under the checkpoint directory."""
+    def clear(self, keep: tuple[str, ...] = ()) -> None:
+        """Delete everything under the checkpoint directory except the top-level ``keep``."""
         path = self.local_path
-        if path is not None:
-            if os.path.isdir(path):
-                for name in os.listdir(path):
-                    p = os.path.join(path, name)
-                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-            return
-        self.kv.delete_range(ts.KvStore.KeyRange("", "")).result()
+        try:
+            if path is not None:
+                if os.path.isdir(path):
+                    for name in os.listdir(path):
+                        if name in keep:
+                            continue
+                        p = os.path.join(path, name)
+                        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+                return
+            bounds = ["", *[b for k in sorted(keep) for b in (k, k + "\0")], ""]
+            futures = [self.kv.delete_range(ts.KvStore.KeyRange(lo, hi))
+                       for lo, hi in zip(bounds[::2], bounds[1::2])]
+            for f in futures:
+                f.result()
+        except (OSError, ValueError) as e:
+            raise storage_error(f"clearing {self.url!r}", e) from e
 
     def make_dir(self) -> None:
         path = self.local_path
         if path is not None:
-            os.makedirs(path, exist_ok=True)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as e:
+                raise storage_error(f"creating {path!r}", e) from e
+
+    # ---- moving whole directories (local file systems only) ---------------------
+
+    def sibling(self, name: str) -> Storage:
+        """The directory ``name`` next to this one (same parent), with the same options."""
+        path = self.local_path
+        assert path is not None, "siblings exist on local file systems only"
+        parent = os.path.dirname(path.rstrip("/"))
+        return Storage(os.path.join(parent, name), self.options)
+
+    @property
+    def name(self) -> str:
+        path = self.local_path
+        return os.path.basename(path.rstrip("/")) if path is not None else self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    @contextlib.contextmanager
+    def parent_lock(self) -> Iterator[None]:
+        """An exclusive lock (flock) on the parent directory, held for a few file-system
+        operations so that two savers' check-then-rename steps do not interleave. Where
+        the file system refuses locks on directories, no lock is taken."""
+        path = self.local_path
+        if path is None:
+            yield
+            return
+        import fcntl
+
+        parent = os.path.dirname(path.rstrip("/"))
+        try:
+            os.makedirs(parent, exist_ok=True)
+            fd = os.open(parent, os.O_RDONLY)
+        except OSError as e:
+            raise storage_error(f"opening {parent!r}", e) from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass  # e.g. some network file systems: go on without it
+            yield
+        finally:
+            os.close(fd)
+
+    def move_to(self, dst: Storage) -> Storage | None:
+        """Atomically put this directory at ``dst``'s path. If ``dst`` holds something, it
+        is swapped out (RENAME_EXCHANGE) and returned as a Storage at this directory's old
+        path, for the caller to delete; where exchange is unsupported, the old ``dst`` is
+        first renamed aside (a short window in which ``dst`` does not exist)."""
+        src, to = self.local_path.rstrip("/"), dst.local_path.rstrip("/")
+        try:
+            if not os.path.lexists(to):
+                os.rename(src, to)
+                old = None
+            elif _exchange(src, to):
+                old = self
+            else:
+                aside = to + ".zarrckpt-old"
+                os.rename(to, aside)
+                os.rename(src, to)
+                old = Storage(aside, self.options)
+            _fsync_dir(os.path.dirname(to))
+        except OSError as e:
+            raise storage_error(f"moving {src!r} to {to!r}", e) from e
+        return old
+
+    def remove(self) -> None:
+        """Delete the whole directory (local) or every key under the prefix."""
+        path = self.local_path
+        try:
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else None
+                return
+            self.kv.delete_range(ts.KvStore.KeyRange("", "")).result()
+        except (OSError, ValueError) as e:
+            raise storage_error(f"deleting {self.url!r}", e) from e
 
     # ---- arrays -------------------------------------------------------------
 

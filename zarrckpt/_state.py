@@ -1,0 +1,75 @@
+"""State dicts as zarrckpt sees them: Stateful objects, array leaves, and the checks
+every leaf passes before a save touches storage (or a load touches a target)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dist as zdist
+from . import dtypes
+from .errors import UnsupportedValueError
+
+__all__ = ["is_array_leaf", "is_stateful", "resolve_stateful", "checked_tensor", "checked_dtype"]
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (dict, list, tuple, torch.Tensor))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def resolve_stateful(obj: Any) -> Any:
+    """A copy of the nested containers with every Stateful replaced by its state_dict()."""
+    if is_stateful(obj):
+        return resolve_stateful(obj.state_dict())
+    if isinstance(obj, dict):
+        return {k: resolve_stateful(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [resolve_stateful(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(resolve_stateful(v) for v in obj)
+    return obj
+
+
+def is_array_leaf(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview, io.BytesIO))
+
+
+def checked_dtype(dtype: Any, key: str) -> dtypes.DType:
+    """The dtype's table row, or UnsupportedValueError naming the key."""
+    try:
+        return dtypes.by_torch(dtype) if isinstance(dtype, torch.dtype) else dtypes.by_numpy(dtype)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"tensor {key!r}: {e}") from None
+
+
+def checked_tensor(t: torch.Tensor, key: str, *, what: str = "tensor") -> torch.Tensor:
+    """A plain strided tensor holding ``t``'s values, or an error naming ``key``.
+
+    Refused: sparse, nested, quantized and meta tensors (no stored form, or no data).
+    Conjugate/negative views are resolved (a copy, only for such views)."""
+    if zdist.is_dtensor(t) or zdist.is_sharded_tensor(t):
+        raise AssertionError("pass the local tensor")  # pragma: no cover
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"{what} {key!r}: {t.layout} tensors cannot be stored; "
+                                    "call .to_dense() first")
+    if t.is_nested:
+        raise UnsupportedValueError(f"{what} {key!r}: nested tensors cannot be stored")
+    if t.is_quantized:
+        raise UnsupportedValueError(f"{what} {key!r}: quantized tensors cannot be stored; "
+                                    "call .dequantize() or store .int_repr() and the scales")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"{what} {key!r} is on the meta device: it has no data to save")
+    checked_dtype(t.dtype, key)
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
