@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
+from ._io import wait_all
 from .errors import CheckpointExistsError, ConcurrentSaveError
 from .storage import Storage
 
@@ -113,8 +114,14 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
                 location.write_atomic("zarr.json", pending)
         target = Target(location, location.sibling(staging_name(location.name, save_id)), save_id,
                         overwrite, claimed)
-        target.store.make_dir()
-        target.store.write_atomic("zarr.json", pending)
+        try:
+            target.store.make_dir()
+            target.store.write_atomic("zarr.json", pending)
+            _write_groups(target, groups)
+        except BaseException:
+            abandon(target)
+            raise
+        return target
     else:
         state, attrs = _state(location)
         _refuse(location, state, attrs, overwrite)
@@ -128,10 +135,13 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
         location.make_dir()
         location.write_atomic("zarr.json", pending)
         _, target.generation = location.read_bytes("zarr.json")
-    futures = [target.store.put(f"{grp}/zarr.json", encode(fmt.group_metadata())) for grp in groups]
-    for f in futures:
-        f.result()
+        _write_groups(target, groups)
     return target
+
+
+def _write_groups(target: Target, groups: list[str]) -> None:
+    wait_all([(grp, target.store.put(f"{grp}/zarr.json", encode(fmt.group_metadata()))) for grp in groups],
+             "write")
 
 
 def publish(target: Target, committed_root: dict) -> None:
