@@ -46,7 +46,7 @@ from .errors import (
     UnexpectedKeysError,
     ZarrckptError,
 )
-from .layout import Layout, Replicate
+from .layout import Layout, Replicate, slices as _slices
 from .reader import Checkpoint
 from .staging import Arena, sync_devices
 from .storage import Array, translate_error
@@ -336,10 +336,6 @@ class _Reads:
         self._flush()
 
 
-def _slices(box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
 def _read_unit(info: Any) -> tuple[int, ...]:
     """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
     for c in info.metadata.get("codecs", []):
@@ -371,15 +367,7 @@ def _materialize(leaf: torch.Tensor) -> torch.Tensor:
     """A real tensor for a meta target (as DCP does): on the mesh's device for DTensors,
     on the CPU otherwise. It replaces the target in the returned state dict."""
     if zdist.is_dtensor(leaf):
-        from torch.distributed.tensor import DTensor
-
-        mesh = leaf.device_mesh
-        device = mesh.device_type
-        if device == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        local = torch.empty(leaf.to_local().shape, dtype=leaf.dtype, device=device)
-        return DTensor.from_local(local, mesh, leaf.placements, run_check=False,
-                                  shape=leaf.shape, stride=leaf.stride())
+        return zdist.materialize_dtensor(leaf)
     if zdist.is_sharded_tensor(leaf):
         raise StateDictMismatchError("a ShardedTensor target on the meta device cannot be materialized")
     return torch.empty(leaf.shape, dtype=leaf.dtype, device="cpu")
@@ -393,10 +381,7 @@ def _target_pieces(leaf: torch.Tensor, key: str) -> list[tuple[torch.Tensor, lis
             return []
         layout = Layout(tuple(leaf.shape), mesh_shape, placements)
         local = leaf._local_tensor if hasattr(leaf, "_local_tensor") else leaf.to_local()
-        if tuple(local.shape) != layout.local_shape(coord):
-            raise StateDictMismatchError(
-                f"tensor {key!r}: DTensor local shape {tuple(local.shape)} differs from "
-                f"{layout.local_shape(coord)} computed from {leaf.placements}")
+        layout.check_local_shape(tuple(local.shape), coord, key)
         return [(local, list(layout.local_boxes(coord)))]
     if zdist.is_sharded_tensor(leaf):
         pieces = []

@@ -20,7 +20,7 @@ import torch
 from . import dist as zdist
 from . import dtypes, format as fmt, tree as ztree
 from ._state import checked_dtype, checked_tensor, is_array_leaf
-from .errors import UnsupportedPlacementError, UnsupportedValueError, ZarrckptError
+from .errors import UnsupportedPlacementError, UnsupportedValueError
 from .layout import ChunkWrite, Layout, Replicate, Send, Shard
 
 __all__ = ["ArrayPlan", "PackMember", "PlanOptions", "assign_packs", "plan_state",
@@ -118,7 +118,7 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions) -> Arra
         local = None
         if coord is not None:
             local = checked_tensor(leaf.to_local(), key)
-            _check_local_shape(key, local, layout, coord, leaf.placements)
+            layout.check_local_shape(tuple(local.shape), coord, key)
         attrs = fmt.array_attrs(kind="dtensor", save_id="", dtype=dt, mesh_shape=mesh_shape,
                                 mesh_dim_names=names, placements=placements, device_type=device_type)
         return _plan(key, "dtensor", dt, layout, coord, mesh_t.reshape(-1).tolist(), attrs, local, options)
@@ -134,7 +134,7 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions) -> Arra
                 local = torch.empty(layout.local_shape(info.coord), dtype=leaf.dtype)
             else:
                 local = checked_tensor(info.local, key)
-            _check_local_shape(key, local, layout, info.coord, placements)
+            layout.check_local_shape(tuple(local.shape), info.coord, key)
         attrs = fmt.array_attrs(kind="sharded_tensor", save_id="", dtype=dt, mesh_shape=(len(info.ranks),),
                                 placements=placements, device_type=info.device_type)
         return _plan(key, "sharded_tensor", dt, layout, info.coord, info.ranks, attrs, local, options)
@@ -154,14 +154,6 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions) -> Arra
                     replica_split_min_elems=_split_elems(options, dt))
     attrs = fmt.array_attrs(kind=kind, save_id="", dtype=dt)
     return _plan(key, kind, dt, layout, (g.rank,), g.global_ranks(), attrs, source, options)
-
-
-def _check_local_shape(key, local, layout, coord, placements) -> None:
-    if tuple(local.shape) != layout.local_shape(coord):
-        raise ZarrckptError(
-            f"tensor {key!r}: local shape {tuple(local.shape)} at mesh coordinate {coord} differs "
-            f"from {layout.local_shape(coord)} computed from placements {placements}; please "
-            "report this layout")
 
 
 def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[dict, list[ArrayPlan]]:

@@ -46,6 +46,7 @@ from . import dtypes, format as fmt, tree as ztree
 from ._io import InFlight
 from ._plan import ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders, with_save_id
 from ._state import resolve_stateful
+from .layout import slices as _slices
 from .errors import SaveFailedError, UnsupportedValueError
 from .staging import Arena, staged_nbytes, sync_devices
 from .storage import Array, Storage, StorageOptions
@@ -423,10 +424,6 @@ class SaveRun:
             "bytes_staged": self.bytes_staged,
             "seconds": {**self.timings, "total": sum(self.timings.values())},
         }
-
-
-def _slices(box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 def _as_bytes(pairs):

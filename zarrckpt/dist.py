@@ -286,6 +286,19 @@ def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple
     )
 
 
+def materialize_dtensor(t: Any) -> Any:
+    """A DTensor like meta DTensor ``t`` with real (uninitialized) local memory on its
+    mesh's device."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = t.device_mesh
+    device: Any = mesh.device_type
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)
+    return DTensor.from_local(local, mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
 @dataclass(frozen=True)
 class ShardedInfo:
     """A ShardedTensor with a ChunkShardingSpec seen as a 1-D mesh with ``Shard(dim)``."""

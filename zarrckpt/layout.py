@@ -58,6 +58,7 @@ __all__ = [
     "dim_runs",
     "placement_from_json",
     "placement_to_json",
+    "slices",
 ]
 
 Run = tuple[int, int]
@@ -163,6 +164,11 @@ def dim_runs(size: int, steps: tuple[tuple[Placement, int, int], ...]) -> tuple[
     return _merge(runs)
 
 
+def slices(box: Box) -> tuple[slice, ...]:
+    """NumPy/torch index of a box."""
+    return tuple(slice(a, b) for a, b in box)
+
+
 def _len(r: Run) -> int:
     return r[1] - r[0]
 
@@ -248,6 +254,16 @@ class Layout:
 
     def local_shape(self, coord: Coord) -> tuple[int, ...]:
         return tuple(sum(map(_len, rs)) for rs in self.runs(coord))
+
+    def check_local_shape(self, shape: tuple[int, ...], coord: Coord, key: str) -> None:
+        """Raise if a local tensor's shape is not the one these placements give."""
+        if tuple(shape) != self.local_shape(coord):
+            from .errors import StateDictMismatchError
+
+            raise StateDictMismatchError(
+                f"tensor {key!r}: local shape {tuple(shape)} at mesh coordinate {coord} differs from "
+                f"{self.local_shape(coord)} computed from placements {self.placements}; please report "
+                "this layout")
 
     def local_boxes(self, coord: Coord) -> Iterator[tuple[Box, Box]]:
         """(global box, box in the local tensor) pairs covering what ``coord`` holds."""
