@@ -253,7 +253,7 @@ class SaveRun:
         return fmt.root_metadata(
             state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
             writer=_writer_versions(), tree=self.tree if state == "committed" else None,
-            num_arrays=len(self.all_docs),
+            array_docs=self.all_docs if state == "committed" else None,
         )
 
     def _plan_exchange(self) -> None:

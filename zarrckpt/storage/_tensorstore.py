@@ -398,6 +398,18 @@ class Storage:
         except (OSError, ValueError) as e:
             raise storage_error(f"clearing {self.url!r}", e) from e
 
+    def list_children(self) -> list[str]:
+        """Names directly under this directory or prefix, sorted. (Object stores list
+        every key below the prefix to find them: cost grows with the number of keys.)"""
+        path = self.local_path
+        try:
+            if path is not None:
+                return sorted(os.listdir(path)) if os.path.isdir(path) else []
+            keys = self.kv.list().result()
+        except (OSError, ValueError) as e:
+            raise storage_error(f"listing {self.url!r}", e) from e
+        return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys})
+
     def make_dir(self) -> None:
         path = self.local_path
         if path is not None:
@@ -459,7 +471,7 @@ class Storage:
             elif _exchange(src, to):
                 old = self
             else:
-                aside = to + ".zarrckpt-old"
+                aside = os.path.join(os.path.dirname(to), "." + os.path.basename(to) + ".zarrckpt-old")
                 os.rename(to, aside)
                 os.rename(src, to)
                 old = Storage(aside, self.options)
