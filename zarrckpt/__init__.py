@@ -41,6 +41,7 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
+from .manager import CheckpointManager
 from .reader import Checkpoint
 from .storage import StorageOptions
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint",
     "CheckpointChangedError",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ConcurrentSaveError",
@@ -82,13 +84,15 @@ __all__ = [
 
 
 def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
-         **options: Any) -> dict:
+         metadata: dict | None = None, **options: Any) -> dict:
     """Save ``state_dict`` to ``path``; every rank of ``process_group`` calls it (SPMD).
 
     Leaves may be tensors, DTensors, ``bytes``, NumPy arrays, JSON-able values, or
     Stateful objects (``state_dict()``/``load_state_dict()``), ``io.BytesIO``, and
     ShardedTensors with a ChunkShardingSpec. Returns this rank's report (bytes written,
-    seconds per phase). Options: see ``zarrckpt._save.SaveOptions``.
+    seconds per phase). ``metadata``: a JSON object stored in the root ``zarr.json``
+    (``Checkpoint.metadata``; the CheckpointManager records the step and metrics there).
+    Options: see ``zarrckpt._save.SaveOptions``.
 
     On a local file system the new checkpoint is written next to ``path`` and moved
     into place when committed: an existing checkpoint there stays loadable until then.
@@ -97,11 +101,12 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     """
     from ._save import SaveOptions, SaveRun, run_save
 
-    return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options)))
+    return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options),
+                            metadata))
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
-               **options: Any):
+               metadata: dict | None = None, **options: Any):
     """Like :func:`save`, but returns once the local shards are copied to (pinned, reused)
     host buffers; writing and the commit finish in a background thread. Returns a
     ``SaveFuture``: ``staged_seconds`` is the time training was blocked, ``result()``
@@ -110,7 +115,8 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
     """
     from ._async import async_save as _async_save
 
-    return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite, **options)
+    return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite,
+                       metadata=metadata, **options)
 
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,

@@ -128,14 +128,14 @@ _exit_hooked = False
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
-               **options: Any) -> SaveFuture:
+               metadata: dict | None = None, **options: Any) -> SaveFuture:
     t0 = time.perf_counter()
     with _foreground:
         with _state_lock:
             previous = list(_inflight)
         for f in previous:  # its staging buffer is about to be reused
             cf.wait([f._future])
-        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options))
+        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata)
         _hooks()
         side = run.g.side_group()
         plan_and_prepare(run)

@@ -129,9 +129,18 @@ class SaveRun:
     (frozen :class:`ArrayPlan` records); this object holds what executing it needs."""
 
     def __init__(self, state_dict: dict, path: Any, process_group: Any, overwrite: bool,
-                 options: SaveOptions) -> None:
+                 options: SaveOptions, metadata: dict | None = None) -> None:
         if not isinstance(state_dict, dict):
             raise UnsupportedValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if metadata is not None:
+            try:
+                if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+                    raise TypeError("not a dict with str keys")
+                json.dumps(metadata, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedValueError(f"metadata must be a JSON object (finite numbers, str "
+                                            f"keys): {e}") from None
+        self.metadata = metadata
         self.g = zdist.group(process_group)
         self.path = path
         self.url = str(path)
@@ -178,8 +187,8 @@ class SaveRun:
 
     def _must_agree(self) -> bytes:
         where = self.location.spec if self.location is not None else None
-        return json.dumps([where, self.overwrite, asdict(self.options.plan)], sort_keys=True,
-                          default=str).encode()
+        return json.dumps([where, self.overwrite, asdict(self.options.plan), self.metadata],
+                          sort_keys=True, default=str).encode()
 
     def agree(self, error: BaseException | None) -> None:
         """C0: planning succeeded everywhere, ranks agree on path and options; merge trees
@@ -196,7 +205,7 @@ class SaveRun:
             views = self.g.all_gather(must.decode())
             raise SaveFailedError(
                 f"ranks disagree on the path or on options that decide what is stored (every rank "
-                f"must pass the same path, overwrite, compression, inner_chunk_bytes, "
+                f"must pass the same path, overwrite, metadata, compression, inner_chunk_bytes, "
                 f"replica_split_bytes and pack_bytes): "
                 + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
@@ -254,6 +263,7 @@ class SaveRun:
             state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
             writer=_writer_versions(), tree=self.tree if state == "committed" else None,
             array_docs=self.all_docs if state == "committed" else None,
+            **({"metadata": self.metadata} if self.metadata is not None else {}),
         )
 
     def _plan_exchange(self) -> None:
