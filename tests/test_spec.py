@@ -446,22 +446,30 @@ def test_checkpoint_keys_are_the_spec_leaves(tmp_path):
     assert zarrckpt.open(tmp_path / "ckpt").keys() == [spec_key(p) for p, _ in spec_leaves(tree)]
 
 
-def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
-    """§7: a save that never reached its commit leaves a pending root that readers refuse."""
-    from zarrckpt import _save
+def _staging_dirs(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if p.name.startswith(".") and ".zarrckpt-" in p.name]
 
-    monkeypatch.setattr(_save.SaveJob, "commit", lambda self, *args, **kwargs: None)
+
+def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
+    """§7: a save that never reached its commit leaves pending roots that readers refuse: the
+    claim at the path and, on a file system, the save's own directory beside it (§7.3)."""
+    from zarrckpt import _commit
+
+    monkeypatch.setattr(_commit, "publish", lambda *args, **kwargs: None)
     state = {"w": torch.ones(3), "n": 1, "small": {"a": torch.ones(2), "b": b"xy"}}
     zarrckpt.save(state, tmp_path / "ckpt")
-    docs = read_checkpoint_files(tmp_path / "ckpt")
-    assert_valid("rootDocument", docs[""])
-    assert_valid("rootAttributesPending", docs[""]["attributes"]["zarrckpt"])
-    assert not is_valid("rootAttributesCommitted", docs[""]["attributes"]["zarrckpt"])
+    (staging,) = _staging_dirs(tmp_path)
+    for where in (tmp_path / "ckpt", staging):
+        root = read_checkpoint_files(where)[""]
+        assert_valid("rootDocument", root)
+        assert_valid("rootAttributesPending", root["attributes"]["zarrckpt"])
+        assert not is_valid("rootAttributesCommitted", root["attributes"]["zarrckpt"])
+        with pytest.raises(zarrckpt.IncompleteCheckpointError):  # §7.1, although every array is there
+            zarrckpt.open(where)
+    docs = read_checkpoint_files(staging)
     assert {k for k, d in docs.items() if d["node_type"] == "array"} == {".packs/0"}  # all three packed
     assert_valid("arrayDocument", docs[".packs/0"])
-    # §7.1: a pending root is refused although every array is there
-    with pytest.raises(zarrckpt.IncompleteCheckpointError):
-        zarrckpt.open(tmp_path / "ckpt")
+    assert os.listdir(tmp_path / "ckpt") == ["zarr.json"]  # the claim holds nothing else
 
 
 def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
@@ -469,44 +477,60 @@ def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
     array zarr.json files and chunks come in the write step (step 4)."""
     from zarrckpt import _save
 
+    seen: dict[str, Any] = {}
+
     def stop(self, *args, **kwargs):
+        root = Path(self.target.store.local_path)
+        seen["docs"] = read_checkpoint_files(root)
+        seen["files"] = sorted(f for _, _, fs in os.walk(root) for f in fs)
         return RuntimeError("stopped before the write step")
 
-    monkeypatch.setattr(_save.SaveJob, "write", stop)
+    monkeypatch.setattr(_save.SaveRun, "write", stop)
     state = {"model": {"w": torch.ones(3, 4), "b": torch.ones(3)}, "opt": {"x": {"y": torch.ones(1 << 15)}}}
     with pytest.raises(RuntimeError, match="stopped"):
         zarrckpt.save(state, tmp_path / "ckpt")
-    docs = read_checkpoint_files(tmp_path / "ckpt")
+    docs = seen["docs"]
     assert_valid("rootAttributesPending", docs[""]["attributes"]["zarrckpt"])
     # model/w and model/b are packed (no group "model"); opt/x/y (128 KiB) is an array of its own
     assert set(docs) == {"", "opt", "opt/x", ".packs"}
     assert all(d == {"zarr_format": 3, "node_type": "group"} for k, d in docs.items() if k)
-    files = [f for _, _, fs in os.walk(tmp_path / "ckpt") for f in fs]
-    assert sorted(files) == ["zarr.json"] * len(docs)  # no chunk, no array metadata
-    with pytest.raises(zarrckpt.IncompleteCheckpointError):
-        zarrckpt.open(tmp_path / "ckpt")
+    assert seen["files"] == ["zarr.json"] * len(docs)  # no chunk, no array metadata
+    assert not (tmp_path / "ckpt").exists() and not _staging_dirs(tmp_path)  # a failed save leaves nothing
 
 
-def test_overwrite_uncommits_first(tmp_path, monkeypatch):
-    """§7.3: replacing a committed checkpoint rewrites its root as pending before deleting."""
+def test_overwrite_uncommits_first(monkeypatch):
+    """§7.3, stores that cannot move a directory (here memory://): replacing a committed
+    checkpoint rewrites its root as pending before anything is deleted."""
+    import uuid
+
     from zarrckpt.storage import _tensorstore
 
-    zarrckpt.save({"w": torch.ones(3)}, tmp_path / "ckpt")
+    url = f"memory://uncommit-{uuid.uuid4().hex}"
+    zarrckpt.save({"w": torch.ones(3)}, url)
     seen = []
     real_clear = _tensorstore.Storage.clear
 
-    def clear(self):
-        with open(tmp_path / "ckpt" / "zarr.json", encoding="utf-8") as f:
-            seen.append(json.load(f)["attributes"]["zarrckpt"]["state"])
-        real_clear(self)
+    def clear(self, *args, **kwargs):
+        seen.append(self.read_json("zarr.json")["attributes"]["zarrckpt"]["state"])
+        real_clear(self, *args, **kwargs)
 
     monkeypatch.setattr(_tensorstore.Storage, "clear", clear)
     with pytest.raises(zarrckpt.CheckpointExistsError):
-        zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "ckpt")
+        zarrckpt.save({"w": torch.zeros(3)}, url)
     assert seen == []
-    zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "ckpt", overwrite=True)
+    zarrckpt.save({"w": torch.zeros(3)}, url, overwrite=True)
     assert seen == ["pending"]
+    assert zarrckpt.open(url).read("w").tolist() == [0.0, 0.0, 0.0]
+
+
+def test_overwrite_on_a_file_system_replaces_the_directory_at_once(tmp_path):
+    """§7.3, file systems: the new checkpoint is written beside the path and exchanged with
+    the old one in one step; the old one stays readable until then, nothing is left beside."""
+    zarrckpt.save({"w": torch.ones(3)}, tmp_path / "ckpt")
+    zarrckpt.save({"w": torch.zeros(3), "v": 1}, tmp_path / "ckpt", overwrite=True)
     check_checkpoint(tmp_path / "ckpt")
+    assert zarrckpt.open(tmp_path / "ckpt").read("v") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 @pytest.fixture
@@ -765,198 +789,7 @@ def test_schema_data_types_match_the_library_table():
     assert sorted(SCHEMA["$defs"]["dataType"]["enum"]) == sorted(zdtypes.ZARR_NAMES)
 
 
-# ------------------------------------------------------------------ (c) the schema rejects bad documents
-
-
-SAVE_ID = "c088eeef2a2e4ebbb33f64d834138a"  # 30 digits, as zarrckpt writes
-
-
-def good_root() -> dict:
-    return {
-        "format": "zarrckpt", "version": "1.0", "state": "committed", "save_id": SAVE_ID,
-        "world_size": 2, "created": "2026-11-26T04:26:36.445412Z", "writer": {"zarrckpt": "0.1.0"},
-        "committed": "2026-11-26T04:26:37.394615Z", "num_arrays": 2,
-        "tree": {"dict": [["w", {"array": "w"}], [3, {"list": [{"json": 1}, {"float": "nan"}]}],
-                          ["b", {"packed": good_packed()}]]},
-    }
-
-
-def good_packed() -> dict:
-    return {"pack": ".packs/0", "offset": 48, "nbytes": 6, "kind": "tensor", "data_type": "bfloat16", "shape": [3]}
-
-
-def good_dtensor() -> dict:
-    return {
-        "kind": "dtensor", "save_id": SAVE_ID, "torch_dtype": "bfloat16",
-        "mesh": {"shape": [2, 4], "dim_names": ["dp", "tp"], "device_type": "cuda"},
-        "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 4}, {"type": "shard", "dim": 0}],
-    }
-
-
-def test_good_documents_are_accepted():
-    """The bad-document tests below would pass vacuously if these failed."""
-    assert_valid("rootAttributes", good_root())
-    assert_valid(None, good_root())
-    pending = {k: v for k, v in good_root().items() if k not in ("committed", "num_arrays", "tree")}
-    assert_valid("rootAttributes", dict(pending, state="pending"))
-    assert_valid("arrayAttributes", good_dtensor())
-    assert_valid(None, good_dtensor())
-    assert_valid("arrayAttributes", {"kind": "tensor", "save_id": SAVE_ID, "torch_dtype": "float32"})
-    assert_valid("arrayAttributes", {"kind": "bytes", "save_id": SAVE_ID, "torch_dtype": "uint8"})
-    assert_valid("arrayAttributes", {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "uint8"})
-    assert_valid("rootAttributes", dict(good_root(), version="1.7", future_member={"x": 1}))  # §10
-    for save_id in ("0" * 16, "f" * 64, "1f1c246b27834679a6cdb39815b19fe8"):     # §6.1: 16 to 64 digits
-        assert_valid("rootAttributes", dict(good_root(), save_id=save_id))
-    assert_valid("treeNode", {"array": "a/%/%2Eb/%5F_c/zarr%2Ejson.x/-1/%C3%BC"})
-    for packed in (good_packed(), dict(good_packed(), pack=".packs/12", offset=0),
-                   dict(good_packed(), shape=[], nbytes=2), dict(good_packed(), shape=[0, 7], nbytes=0),
-                   {"pack": ".packs/1", "offset": 8, "nbytes": 3, "kind": "bytes", "data_type": "uint8", "shape": [3]},
-                   dict(good_packed(), kind="ndarray", data_type="complex128", shape=[2, 2], nbytes=64)):
-        assert_valid("treeNode", {"packed": packed})
-
-
-def _without(d: dict, key: str) -> dict:
-    return {k: v for k, v in d.items() if k != key}
-
-
-def _root_with_tree(node: Any) -> dict:
-    return dict(good_root(), tree={"dict": [["k", node]]})
-
-
-BAD_ROOTS = {
-    "missing version": _without(good_root(), "version"),
-    "version 2.0 (another major)": dict(good_root(), version="2.0"),
-    "version without minor": dict(good_root(), version="1"),
-    "version with leading zero": dict(good_root(), version="1.01"),
-    "other format": dict(good_root(), format="zarr"),
-    "unknown state": dict(good_root(), state="done"),
-    "committed without tree": _without(good_root(), "tree"),
-    "committed without num_arrays": _without(good_root(), "num_arrays"),
-    "pending with tree": dict(good_root(), state="pending"),
-    "save_id not hex": dict(good_root(), save_id="not-an-id-not-an-id"),
-    "save_id of 15 digits": dict(good_root(), save_id="0" * 15),
-    "save_id of 65 digits": dict(good_root(), save_id="0" * 65),
-    "save_id upper-case": dict(good_root(), save_id=SAVE_ID.upper()),
-    "save_id not a string": dict(good_root(), save_id=12345678901234567890),
-    "world_size 0": dict(good_root(), world_size=0),
-    "created not UTC": dict(good_root(), created="2026-11-26 04:26:36"),
-    "writer version not a string": dict(good_root(), writer={"zarrckpt": 1}),
-    "tree is a list node": dict(good_root(), tree={"list": []}),
-    "unknown node kind": _root_with_tree({"set": []}),
-    "node with two members": _root_with_tree({"json": 1, "array": "k"}),
-    "empty node": _root_with_tree({}),
-    "node is not an object": _root_with_tree([1]),
-    "float NaN spelled like JSON": _root_with_tree({"float": "NaN"}),
-    "float node holding a number": _root_with_tree({"float": 1.5}),
-    "dict entry with a bool key": dict(good_root(), tree={"dict": [[True, {"json": 1}]]}),
-    "dict entry without node": dict(good_root(), tree={"dict": [["a"]]}),
-    "dict entry with 3 elements": dict(good_root(), tree={"dict": [["a", {"json": 1}, 2]]}),
-    "dict entry as object": dict(good_root(), tree={"dict": {"a": {"json": 1}}}),
-    "nested bad node": _root_with_tree({"list": [{"tuple": [{"array": 3}]}]}),
-    "array path escapes the directory": _root_with_tree({"array": "../etc/passwd"}),
-    "array path with hidden segment": _root_with_tree({"array": "a/.hidden"}),
-    "array path with empty segment": _root_with_tree({"array": "a//b"}),
-    "array path is zarr.json": _root_with_tree({"array": "a/zarr.json"}),
-    "array path with __ segment": _root_with_tree({"array": "__x"}),
-    "array path with lower-case hex": _root_with_tree({"array": "a%2fb"}),
-    "array path with a bad escape": _root_with_tree({"array": "a%zz"}),
-    "array path with a space": _root_with_tree({"array": "a b"}),
-    "empty array path": _root_with_tree({"array": ""}),
-    "array node naming a pack": _root_with_tree({"array": ".packs/0"}),
-    "packed node with array and packed": _root_with_tree({"packed": good_packed(), "array": "k"}),
-    **{f"packed node {name}": _root_with_tree({"packed": d}) for name, d in {
-        "without pack": _without(good_packed(), "pack"),
-        "without offset": _without(good_packed(), "offset"),
-        "without nbytes": _without(good_packed(), "nbytes"),
-        "without kind": _without(good_packed(), "kind"),
-        "without data_type": _without(good_packed(), "data_type"),
-        "without shape": _without(good_packed(), "shape"),
-        "with an extra member": dict(good_packed(), crc=0),
-        "in a pack outside .packs": dict(good_packed(), pack="packs/0"),
-        "in a pack with a leading zero": dict(good_packed(), pack=".packs/01"),
-        "in a nested pack path": dict(good_packed(), pack=".packs/0/1"),
-        "in a pack named by a key": dict(good_packed(), pack="model/w"),
-        "with a negative offset": dict(good_packed(), offset=-8),
-        "with an unaligned offset": dict(good_packed(), offset=4),
-        "with offset as a string": dict(good_packed(), offset="48"),
-        "with a negative nbytes": dict(good_packed(), nbytes=-1),
-        "of kind dtensor": dict(good_packed(), kind="dtensor"),
-        "of kind pack": dict(good_packed(), kind="pack"),
-        "with an unknown data type": dict(good_packed(), data_type="float8_e4m3"),
-        "with a negative extent": dict(good_packed(), shape=[-3]),
-        "of bytes that are not uint8": dict(good_packed(), kind="bytes"),
-        "of bytes with a 2-d shape": dict(good_packed(), kind="bytes", data_type="uint8", shape=[2, 3]),
-        "as a list": [".packs/0", 48, 6],
-    }.items()},
-}
-
-
-@pytest.mark.parametrize("doc", list(BAD_ROOTS.values()), ids=list(BAD_ROOTS))
-def test_schema_rejects_bad_root_attributes(doc):
-    assert not is_valid("rootAttributes", doc)
-    assert not is_valid(None, doc)
-
-
-def _with_placement(p: Any) -> dict:
-    return dict(good_dtensor(), placements=[p, {"type": "shard", "dim": 0}])
-
-
-BAD_ARRAYS = {
-    "unknown placement type": _with_placement({"type": "partial"}),
-    "placement without type": _with_placement({"dim": 0}),
-    "shard without dim": _with_placement({"type": "shard"}),
-    "shard with negative dim": _with_placement({"type": "shard", "dim": -1}),
-    "shard with extra member": _with_placement({"type": "shard", "dim": 0, "split_factor": 2}),
-    "strided_shard without split_factor": _with_placement({"type": "strided_shard", "dim": 0}),
-    "strided_shard with split_factor 0": _with_placement({"type": "strided_shard", "dim": 0, "split_factor": 0}),
-    "replicate with a dim": _with_placement({"type": "replicate", "dim": 0}),
-    "placement as a string": _with_placement("Shard(0)"),
-    "dtensor without mesh": _without(good_dtensor(), "mesh"),
-    "dtensor without placements": _without(good_dtensor(), "placements"),
-    "mesh with empty shape": dict(good_dtensor(), mesh={"shape": [], "dim_names": None, "device_type": "cpu"}),
-    "mesh with size 0": dict(good_dtensor(), mesh={"shape": [0], "dim_names": None, "device_type": "cpu"}),
-    "mesh dim_names not strings": dict(good_dtensor(), mesh={"shape": [2], "dim_names": [1], "device_type": "cpu"}),
-    "tensor with placements": {"kind": "tensor", "save_id": SAVE_ID, "torch_dtype": "float32",
-                               "placements": [{"type": "replicate"}]},
-    "unknown kind": dict(good_dtensor(), kind="pickle"),
-    "missing save_id": _without(good_dtensor(), "save_id"),
-    "missing torch_dtype": _without(good_dtensor(), "torch_dtype"),
-    "zarr-extensions float8_e4m3 name": dict(good_dtensor(), torch_dtype="float8_e4m3"),
-    "torch-style dtype name": dict(good_dtensor(), torch_dtype="torch.float32"),
-    "bytes that are not uint8": {"kind": "bytes", "save_id": SAVE_ID, "torch_dtype": "float32"},
-    "pack that is not uint8": {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "float32"},
-    "pack with a mesh": {"kind": "pack", "save_id": SAVE_ID, "torch_dtype": "uint8",
-                         "mesh": {"shape": [1], "dim_names": None, "device_type": "cpu"}},
-    "save_id of 15 digits": {"kind": "tensor", "save_id": "0" * 15, "torch_dtype": "float32"},
-}
-
-
-@pytest.mark.parametrize("doc", list(BAD_ARRAYS.values()), ids=list(BAD_ARRAYS))
-def test_schema_rejects_bad_array_attributes(doc):
-    assert not is_valid("arrayAttributes", doc)
-    assert not is_valid(None, doc)
-
-
-def test_schema_rejects_bad_array_documents():
-    good = spec_example("array-zarr.json")
-    assert_valid("arrayDocument", good)
-    bad = {
-        "big endian": ("codecs", [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]),
-        "no checksum": ("codecs", [{"name": "bytes", "configuration": {"endian": "little"}}]),
-        "checksum before compression": ("codecs", [
-            {"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"},
-            {"name": "zstd", "configuration": {"level": 1, "checksum": False}}]),
-        "irregular grid": ("chunk_grid", {"name": "rectilinear", "configuration": {}}),
-        "dot separator": ("chunk_key_encoding", {"name": "default", "configuration": {"separator": "."}}),
-        "zarr v2": ("zarr_format", 2),
-        "unknown data type": ("data_type", "float8_e4m3"),
-    }
-    for name, (member, value) in bad.items():
-        assert not is_valid("arrayDocument", dict(good, **{member: value})), name
-    pack = spec_example("pack-zarr.json")
-    assert_valid("arrayDocument", pack)
-    assert not is_valid("arrayDocument", dict(pack, shape=[8, 8]))             # §6.5: 1-d
-    assert not is_valid("arrayDocument", dict(pack, data_type="float32"))      # §6.5: uint8
+# ------------------------------------------------------------------ (c) bad documents: tests/test_bad_documents.py
 
 
 # ------------------------------------------------------------------ (d) the worked example stays in sync

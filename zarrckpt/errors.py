@@ -8,6 +8,7 @@ Each class also subclasses the builtin a caller would naturally catch, so
     ├── IncompleteCheckpointError    (RuntimeError)       save interrupted or still running
     ├── CheckpointExistsError        (FileExistsError)    refusing to overwrite
     ├── FormatError                  (ValueError)         metadata that breaks the spec
+    │   └── IntegrityError                                a digest of the root does not match
     ├── CorruptChunkError            (OSError)            a chunk is missing or fails its checksum
     ├── StorageError                 (OSError)            the store refused or failed an operation
     │                                                     (full disk, read-only, permission,
@@ -44,6 +45,7 @@ __all__ = [
     "DistributedError",
     "FormatError",
     "IncompleteCheckpointError",
+    "IntegrityError",
     "LoadFailedError",
     "MissingKeysError",
     "SaveFailedError",
@@ -142,3 +144,9 @@ def by_name(name: str) -> type[ZarrckptError] | None:
     """The zarrckpt error class called ``name`` (to raise one rank's error class on all)."""
     cls = globals().get(name)
     return cls if isinstance(cls, type) and issubclass(cls, ZarrckptError) else None
+
+
+class IntegrityError(FormatError):
+    """A digest recorded in the root ``zarr.json`` does not match the bytes it covers (spec
+    §6.6): the root itself, an array's ``zarr.json``, or the set of arrays was changed after
+    the commit (a flipped bit, a truncated or edited file). The message names what."""

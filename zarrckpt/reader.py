@@ -6,12 +6,18 @@
 >>> ckpt.read("model/layer.weight").dtype           # doctest: +SKIP
 dtype(bfloat16)
 >>> ckpt.tensorstore("model/layer.weight")[0:8].read().result()  # lazy slice  # doctest: +SKIP
+
+Every document is verified before it is used (spec §6.6): the root against its own
+digest, each array ``zarr.json`` against the digest the root records, and both parsed
+strictly (:mod:`zarrckpt.format`). On a local file system, files that are not regular
+files (a FIFO, a device) are refused before anything opens them, so a damaged or
+hostile directory cannot hang a reader.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,10 +25,9 @@ import numpy as np
 
 from . import format as fmt
 from . import tree as ztree
-from .errors import FormatError
-from .storage import Array, Storage, StorageOptions
-from .storage._tensorstore import translate_error
 from ._io import wait_all
+from .errors import CheckpointNotFoundError, FormatError
+from .storage import Array, Storage, StorageOptions, storage_error, translate_error
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -33,12 +38,16 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike, storage_options: StorageOptions | None = None) -> None:
         self.storage = Storage(path, storage_options)
         self.url = self.storage.url
-        self.info = fmt.parse_root(self.storage.read_json("zarr.json"), self.url)
-        self._leaves: dict[str, tuple[ztree.KeyPath, dict]] = {}
-        for path_, node in ztree.tree_keys(self.info.tree):
-            self._leaves[ztree.key_of(path_)] = (path_, node)
+        _refuse_plain_file(self.storage)
+        data = self._read_document("zarr.json", "the root")
+        if data is None:
+            raise CheckpointNotFoundError(_not_found_message(self.storage))
+        self.info = fmt.parse_root_bytes(data, self.url)
+        self._leaves: dict[str, tuple[ztree.KeyPath, dict]] = {
+            key: (kp, node) for kp, key, node in self.info.leaves}
         self._arrays: dict[str, fmt.ArrayInfo] = {}
         self._packs: dict[str, np.ndarray] = {}
+        self._checked_files: set[str] = set()
 
     # ---- keys ---------------------------------------------------------------
 
@@ -78,7 +87,8 @@ class Checkpoint:
         return self.array_infos([key])[key]
 
     def array_infos(self, keys: Iterable[str]) -> dict[str, fmt.ArrayInfo]:
-        """Parsed ``zarr.json`` of many arrays, read concurrently and cached."""
+        """Parsed and verified ``zarr.json`` of many arrays, read concurrently and cached.
+        A packed leaf's info comes from its tree node (its pack is checked when read)."""
         keys = list(keys)
         todo = [k for k in keys if k not in self._arrays]
         futures = []
@@ -87,34 +97,81 @@ class Checkpoint:
             if "packed" in node:
                 self._arrays[k] = fmt.parse_packed(node["packed"], k)
                 continue
-            array_path = node.get("array")
-            if array_path is None:
+            if "array" not in node:
                 raise KeyError(f"{k!r} is a value, not an array")
-            futures.append((k, self.storage.kv.read(f"{array_path}/zarr.json")))
+            self._check_files(k, k)
+            futures.append((k, self.storage.kv.read(f"{k}/zarr.json")))
         for k, f in futures:
-            r = f.result()
-            doc = None
-            if r.state == "value":
-                try:
-                    doc = json.loads(r.value)
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise FormatError(f"array {k!r}: zarr.json is not valid JSON: {e}") from None
-            self._arrays[k] = fmt.parse_array(doc, k, self.info.save_id)
+            self._arrays[k] = self._parse_array(k, k, _result_bytes(f, f"{self.url}/{k}/zarr.json"),
+                                                pack=False)
         return {k: self._arrays[k] for k in keys}
+
+    def _parse_array(self, key: str, path: str, data: bytes | None, *, pack: bool) -> fmt.ArrayInfo:
+        doc = None
+        if data is not None:
+            fmt.check_array_digest(self.info, path, data, key)
+            doc = fmt.decode_document(data, f"array {key!r}: {path}/zarr.json")
+        return fmt.parse_array(doc, key, self.info.save_id, path=path, pack=pack)
+
+    def _read_document(self, key: str, what: str) -> bytes | None:
+        local = self.storage.local_path
+        if local is not None:
+            _require_regular(os.path.join(local, key), f"{self.url}: {what} {key}", missing_ok=True)
+        data, _ = self.storage.read_bytes(key)
+        return data
+
+    def _check_files(self, path: str, key: str) -> None:
+        """Local file systems: ``<path>/zarr.json`` and every chunk file of the array must be
+        regular files (a FIFO or a device would hang or never end a read)."""
+        local = self.storage.local_path
+        if local is None or path in self._checked_files:
+            return
+        base = os.path.join(local, path)
+        _require_regular(os.path.join(base, "zarr.json"), f"array {key!r}: zarr.json", missing_ok=True)
+        stack = [os.path.join(base, "c")]
+        while stack:
+            p = stack.pop()
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                continue  # missing chunks are reported when read
+            except OSError as e:
+                raise storage_error(f"array {key!r}: cannot inspect {p}", e) from e
+            if stat.S_ISDIR(st.st_mode):
+                if p.count(os.sep) - base.count(os.sep) > fmt.MAX_RANK + 1:
+                    raise FormatError(f"array {key!r}: chunk directories nest deeper than any chunk key")
+                with os.scandir(p) as it:
+                    stack.extend(e.path for e in it)
+            elif not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"array {key!r}: {p} is not a regular file ({_file_type(st.st_mode)}); "
+                                  "a chunk must be a regular file")
+        self._checked_files.add(path)
 
     # ---- data ---------------------------------------------------------------
 
     def open_array(self, key: str) -> Array:
         if self.is_packed(key):
-            raise ValueError(f"{key!r} is packed inside {self.node(key)['packed']['pack']!r}; use read()")
+            raise ValueError(f"{key!r} is packed inside {self.node(key)['packed']['pack']!r}; use read() "
+                             "or tensorstore()")
         info = self.array_info(key)
         try:
-            return Array(self.storage.open_for_read(self.node(key)["array"], info.metadata).result(), key)
+            return Array(self.storage.open_for_read(key, info.metadata).result(), key)
         except Exception as e:  # noqa: BLE001
             raise translate_error(e, key) from e
 
     def tensorstore(self, key: str) -> Any:
-        """The TensorStore handle of an array, for lazy slicing."""
+        """A TensorStore handle of an array leaf, for lazy slicing.
+
+        An array of its own is opened from storage (nothing is read until sliced). A packed
+        leaf is small (``pack_bytes`` at most): its bytes are read from its pack and returned
+        as an in-memory, read-only TensorStore array of its data type and shape."""
+        if self.is_packed(key):
+            import tensorstore as ts  # storage/ owns TensorStore; an in-memory array needs no store
+
+            value = self.read(key)
+            if isinstance(value, bytes):
+                value = np.frombuffer(value, np.uint8)
+            return ts.array(np.ascontiguousarray(value), write=False)
         return self.open_array(key)._ts
 
     def read(self, key: str) -> Any:
@@ -126,28 +183,33 @@ class Checkpoint:
             return ztree.decode_tree(node, _no_array, key)
         info = self.array_info(key)
         out = np.empty(info.shape, dtype=info.dtype.numpy)
-        wait_all([(key, self.open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
-        return out.tobytes() if info.kind == "bytes" else out
+        if out.size:
+            wait_all([(key, self.open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
+        return out.tobytes() if info.kind in fmt.BYTE_KINDS else out
 
     def _read_packed(self, desc: dict, key: str) -> Any:
         """A packed leaf: its bytes of the pack array (each pack is read once, then cached)."""
         info = fmt.parse_packed(desc, key)
-        pack = self._packs.get(desc["pack"])
+        path = desc["pack"]
+        pack = self._packs.get(path)
         if pack is None:
-            doc = self.storage.read_json(f"{desc['pack']}/zarr.json")
-            pinfo = fmt.parse_array(doc, desc["pack"], self.info.save_id)
-            if pinfo.kind != "pack" or pinfo.dtype.zarr != "uint8" or len(pinfo.shape) != 1:
-                raise FormatError(f"packed leaf {key!r}: {desc['pack']!r} is not a 1-D uint8 pack array")
+            self._check_files(path, key)
+            pinfo = self._parse_array(key, path, self._read_document(f"{path}/zarr.json", f"pack of {key!r}"),
+                                      pack=True)
             pack = np.empty(pinfo.shape, dtype=np.uint8)
-            arr = Array(self.storage.open_for_read(desc["pack"], pinfo.metadata).result(), desc["pack"])
-            wait_all([(desc["pack"], arr.read_into(((0, pinfo.shape[0]),), pack))])
-            self._packs[desc["pack"]] = pack
+            if pack.size:
+                try:
+                    arr = Array(self.storage.open_for_read(path, pinfo.metadata).result(), path)
+                except Exception as e:  # noqa: BLE001
+                    raise translate_error(e, path) from e
+                wait_all([(path, arr.read_into(((0, pinfo.shape[0]),), pack))])
+            self._packs[path] = pack
         start, n = desc["offset"], desc["nbytes"]
-        if start < 0 or start + n > pack.shape[0]:
+        if start + n > pack.shape[0]:
             raise FormatError(f"packed leaf {key!r}: bytes {start}..{start + n} outside pack "
-                              f"{desc['pack']!r} of {pack.shape[0]} bytes")
+                              f"{path!r} of {pack.shape[0]} bytes")
         raw = pack[start:start + n]
-        if info.kind == "bytes":
+        if info.kind in fmt.BYTE_KINDS:
             return raw.tobytes()
         return raw.copy().view(info.dtype.numpy).reshape(info.shape)
 
@@ -155,11 +217,10 @@ class Checkpoint:
                 load_array: Callable[[str], Any] | None = None) -> dict:
         """The nested state dict (or the part under ``keys``: exact keys or prefixes)."""
         tree = self.info.tree if keys is None else self._prune(list(keys))
-        by_array = {n["array"]: k for k, (_, n) in self._leaves.items() if "array" in n}
         by_packed = {id(n["packed"]): k for k, (_, n) in self._leaves.items() if "packed" in n}
 
         def leaf(body: Any) -> Any:
-            key = by_packed[id(body)] if isinstance(body, dict) else by_array[body]
+            key = by_packed[id(body)] if isinstance(body, dict) else body  # an array node: its key
             return (load_array or self.read)(key)
 
         return ztree.decode_tree(tree, leaf)
@@ -191,7 +252,98 @@ def _no_array(key: str) -> Any:  # pragma: no cover - values never hold arrays
     raise FormatError(f"value node refers to array {key!r}")
 
 
+def _result_bytes(future: Any, where: str) -> bytes | None:
+    try:
+        r = future.result()
+    except ValueError as e:
+        raise storage_error(f"reading {where}", e) from e
+    return bytes(r.value) if r.state == "value" else None
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _require_regular(path: str, what: str, *, missing_ok: bool) -> None:
+    """``path`` (symlinks followed) is a regular file, or absent when ``missing_ok``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    except NotADirectoryError:
+        return  # a parent is a file: the read reports it missing
+    except OSError as e:
+        raise storage_error(f"{what}: cannot inspect {path}", e) from e
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{what} ({path}) is {_file_type(st.st_mode)}, not a regular file")
+
+
+# ------------------------------------------------------------------ not a checkpoint
+
+_CONVERTER = "a converter is planned (`zarrckpt convert`, issue 11)"
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def _refuse_plain_file(storage: Storage) -> None:
+    """A local path that is a file is never a checkpoint (a checkpoint is a directory)."""
+    local = storage.local_path
+    if local is None:
+        return
+    path = local.rstrip("/") or "/"
+    if os.path.isfile(path):
+        raise CheckpointNotFoundError(f"{storage.url!r} is {_file_kind(path)}, not a zarrckpt "
+                                      "checkpoint (a checkpoint is a directory with a zarr.json)")
+
+
+def _file_kind(path: str) -> str:
+    name = os.path.basename(path)
+    if name.endswith(".safetensors"):
+        return f"a safetensors file; {_CONVERTER}"
+    if name.endswith(_TORCH_SUFFIXES):
+        return f"a torch.save file; {_CONVERTER}"
+    return "a file"
+
+
+def _not_found_message(storage: Storage) -> str:
+    """Why there is no checkpoint at the location, naming what is there instead if it is a
+    format people confuse with this one."""
+    def has(key: str) -> bool:
+        local = storage.local_path
+        if local is not None:
+            return os.path.exists(os.path.join(local, key))
+        try:
+            return storage.read_bytes(key)[0] is not None
+        except Exception:  # noqa: BLE001 - only a hint
+            return False
+
+    url = storage.url
+    if has(".metadata"):
+        return (f"{url!r} is a PyTorch Distributed Checkpoint (DCP) directory (it has a .metadata "
+                f"file), not a zarrckpt checkpoint; {_CONVERTER}")
+    local = storage.local_path
+    names = []
+    if local is not None and os.path.isdir(local):
+        try:
+            names = sorted(os.listdir(local))
+        except OSError:
+            names = []
+    if has("model.safetensors") or has("model.safetensors.index.json") or any(
+            n.endswith(".safetensors") for n in names):
+        return f"{url!r} holds safetensors files, not a zarrckpt checkpoint; {_CONVERTER}"
+    torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
+    if torch_files:
+        return (f"no zarrckpt checkpoint at {url!r} (no zarr.json); it holds torch.save files "
+                f"({', '.join(torch_files[:3])}); {_CONVERTER}")
+    return f"no zarrckpt checkpoint at {url!r} (no zarr.json)"
+
+
 def open_checkpoint(path: str | os.PathLike, **storage_options: Any) -> Checkpoint:
     """Open a committed checkpoint for reading (no torch needed)."""
     return Checkpoint(path, StorageOptions(**storage_options) if storage_options else None)
-
