@@ -306,8 +306,12 @@ def root_metadata(
     *, state: str, save_id: str, world_size: int, created: str, writer: dict[str, str],
     tree: dict | None = None, num_arrays: int | None = None,
     array_docs: Mapping[str, Mapping[str, Any]] | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The root ``zarr.json`` document (spec §6.1), pending or committed.
+
+    ``metadata``: the caller's own JSON object (step, metrics ...), stored in the committed
+    root as ``metadata`` (§6.1) and covered by its digest; checked like tree values (§6.2).
 
     ``array_docs``: for a committed root, ``{array path: array zarr.json document}`` of
     every array of the checkpoint, pack arrays included, each written to storage as
@@ -336,6 +340,8 @@ def root_metadata(
     attrs["committed"] = utc_now()
     attrs["num_arrays"] = num_arrays
     attrs["tree"] = tree
+    if metadata is not None:
+        attrs["metadata"] = check_metadata(metadata)
     if array_docs is None:
         attrs["version"] = "1.0"
         return group_metadata(attrs)
@@ -347,6 +353,21 @@ def root_metadata(
     doc = group_metadata(attrs)
     attrs["digests"]["root"] = sha256_hex(encode_document(doc))
     return doc
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """Writers: the user ``metadata`` object as stored, or UnsupportedValueError (spec §6.1)."""
+    if not isinstance(metadata, Mapping):
+        raise UnsupportedValueError(f"metadata must be a JSON object, not {type(metadata).__name__}")
+    try:
+        node = ztree.encode_tree({"metadata": dict(metadata)}, lambda x: False)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"metadata: {e}") from None
+    ((_, value),) = node["dict"]
+    if "json" not in value:
+        raise UnsupportedValueError("metadata must be plain JSON: string keys, finite numbers, str, "
+                                    "bool, None, lists and objects of them")
+    return value["json"]
 
 
 def array_attrs(
@@ -384,6 +405,7 @@ class RootInfo:
     leaves: tuple = ()  # (key path, key, leaf node) in stored order (tree.parse_tree)
     arrays: frozenset = frozenset()  # array paths: array nodes and the packs named
     array_digests: Mapping[str, str] | None = None  # array path -> SHA-256 (1.1 and later)
+    metadata: dict[str, Any] | None = None  # the caller's metadata object (1.1 and later)
 
 
 @dataclass(frozen=True)
@@ -491,6 +513,13 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
           "writer must be an object of version strings")
     num_arrays = attrs.get("num_arrays")
     _need(_is_int(num_arrays), where, f"num_arrays must be an integer >= 0, found {num_arrays!r}")
+    metadata = attrs.get("metadata")
+    if metadata is not None:
+        _need(isinstance(metadata, dict), where, f"metadata must be an object, found {_json_type(metadata)}")
+        try:
+            ztree.parse_tree({"dict": [["metadata", {"json": metadata}]]})
+        except FormatError as e:
+            raise FormatError(f"{where}: metadata: {e}") from None
     tree = attrs.get("tree")
     leaves = ztree.parse_tree(tree)
     paths = set()
@@ -511,7 +540,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
                 + (f"; not in the tree: {extra[:5]}" if extra else "")
                 + (f"; without a digest: {missing[:5]}" if missing else ""))
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
-                    tuple(leaves), frozenset(paths), array_digests)
+                    tuple(leaves), frozenset(paths), array_digests, metadata)
 
 
 def _check_root_digest(raw: bytes, claimed: str, where: str) -> None:
