@@ -184,3 +184,56 @@ def test_register_is_idempotent() -> None:
     register()
     register()
     assert get_data_type_from_json("float8_e4m3fn", zarr_format=3).item_size == 1
+
+
+# ------------------------------------------------------------------ loading without `import zarrckpt`
+
+
+def test_entry_points_load_through_zarrs_lazy_hook() -> None:
+    """zarr 3.1.6 collects the ``zarr.data_type`` entry points into its registry's lazy list
+    but never calls ``_lazy_load()``; a zarr that does gets exactly these classes."""
+    from importlib.metadata import entry_points
+
+    from zarr.core.dtype import data_type_registry
+    from zarr.core.dtype.registry import DataTypeRegistry
+
+    from zarrckpt.interop import zarr_dtypes
+
+    eps = {e.name: e for e in entry_points(group="zarr.data_type")}
+    assert set(NAMES) <= set(eps)
+    assert {e.name for e in data_type_registry._lazy_load_list} >= set(NAMES)  # collected by zarr itself
+    fresh = DataTypeRegistry()
+    fresh._lazy_load_list.extend(eps[n] for n in NAMES)
+    fresh._lazy_load()
+    assert {n: fresh.get(n) for n in NAMES} == {c._zarr_v3_name: c for c in zarr_dtypes._DTYPES}
+
+
+READ_SCRIPT = """
+import sys
+import zarr
+path = sys.argv[1]
+try:
+    zarr.open_array(path, mode="r")[...]
+    print("read without import")
+except Exception as e:
+    print("error:", e)
+import zarrckpt  # registers the data types
+print("after import:", zarr.open_array(path, mode="r")[...].tolist())
+"""
+
+
+def test_zarr_python_needs_import_zarrckpt_for_bfloat16(tmp_path: Path) -> None:
+    """What spec Appendix B documents: in a fresh interpreter zarr-python 3.1 refuses
+    'bfloat16' until ``import zarrckpt`` (zarr offers no hook that loads the entry points);
+    a zarr that loads them lazily would read it without the import."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "a"
+    ts.open({**ts_spec(path), "metadata": {"shape": [2], "data_type": "bfloat16"}}, create=True).result().write(
+        np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)).result()
+    r = subprocess.run([sys.executable, "-c", READ_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.strip().splitlines()[-2:]
+    assert first == "read without import" or ("error:" in first and "bfloat16" in first), first
+    assert second == "after import: [1.5, -2.0]"

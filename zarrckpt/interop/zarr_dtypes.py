@@ -7,8 +7,13 @@ other names (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2fnuz``, ``floa
 the ones TensorStore uses. ml_dtypes supplies the NumPy dtypes behind all of them.
 
 The classes are exposed through the ``zarr.data_type`` entry points in pyproject.toml. zarr
-3.1.6 collects those entry points but never loads them, so call :func:`register` before
-opening such arrays.
+3.1.6 collects those entry points into its registry's lazy list but never calls the
+registry's ``_lazy_load()`` (and offers no other hook), so in a fresh interpreter zarr-python
+fails with "No Zarr data type found that matches 'bfloat16'" until this module registers
+them: ``import zarrckpt`` does (cheap, no torch), or call :func:`register`. That message is
+zarr's own and cannot point here without code of ours running first; spec Appendix B and the
+README say so. A zarr that does call ``_lazy_load()`` gets exactly these classes
+(``tests/test_zarr_dtypes.py`` checks it).
 
 Fill values follow TensorStore's JSON encoding: a number, ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"``, or ``"0x.."`` with the big-endian bits of the value (TensorStore writes that for
