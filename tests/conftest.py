@@ -8,6 +8,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _cluster import Cluster  # noqa: E402
+from _s3 import s3, s3_server  # noqa: E402,F401 - fixtures
 
 _clusters: dict[int, Cluster] = {}
 

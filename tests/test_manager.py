@@ -120,10 +120,10 @@ with zarrckpt.CheckpointManager({root!r}, keep_last=2) as mgr:
     for step in range(start + 1, 10**6):
         state["w"] += 1; state["step"] = step
         time.sleep(0.01)
-        if step % 50 == 0:
+        stop = mgr.reached_preemption(step)
+        if step % 50 == 0 or stop:
             mgr.save(step, state)
-        if mgr.reached_preemption(step):
-            mgr.save(step, state)
+        if stop:
             print("preempted at", step, flush=True)
             break
 """

@@ -75,15 +75,20 @@ def _state(st: Storage) -> tuple[str, dict]:
     """('absent' | 'empty' | 'foreign' | 'pending' | 'committed', zarrckpt attributes)."""
     if not st.exists():
         return "absent", {}
+    data, _ = st.read_bytes("zarr.json")
+    return _classify(st, data)
+
+
+def _classify(st: Storage, data: bytes | None) -> tuple[str, dict]:
     try:
-        root = st.read_json("zarr.json")
-    except Exception:  # noqa: BLE001 - unreadable: not something we may replace
-        root = None
-    attrs = ((root or {}).get("attributes") or {}) if isinstance(root, dict) else {}
+        root = json.loads(data) if data is not None else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        root = None  # unreadable: not something we may replace
+    attrs = root.get("attributes") if isinstance(root, dict) else None
     attrs = attrs.get(fmt.ATTR) if isinstance(attrs, dict) else None
-    if root is not None and isinstance(attrs, dict) and attrs.get("format") == fmt.FORMAT_NAME:
+    if isinstance(attrs, dict) and attrs.get("format") == fmt.FORMAT_NAME:
         return ("committed" if attrs.get("state") == "committed" else "pending"), attrs
-    if st.is_empty():
+    if data is None and st.is_empty():
         return "empty", {}
     return "foreign", {}
 
@@ -123,17 +128,20 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
             raise
         return target
     else:
-        state, attrs = _state(location)
+        data, generation = location.read_bytes("zarr.json")
+        state, attrs = _classify(location, data)
         _refuse(location, state, attrs, overwrite)
+        # claim with a conditional write: of two saves starting at once, one fails here
+        if not location.write_atomic("zarr.json", pending, if_equal=generation):
+            raise ConcurrentSaveError(f"another save claimed {location.url!r} at the same moment; "
+                                      "this save wrote nothing")
         if state in ("committed", "pending"):
-            # un-commit first, durably, then delete everything but the root: a crash
-            # anywhere leaves an interrupted save here, which any later save may reuse
-            location.write_atomic("zarr.json", pending)
+            # the old checkpoint is un-committed (durably) before anything is deleted, and the
+            # root stays: a crash anywhere leaves an interrupted save, which any later save
+            # may reuse
             location.flush()
             location.clear(keep=("zarr.json",))
         target = Target(location, location, save_id, overwrite, True)
-        location.make_dir()
-        location.write_atomic("zarr.json", pending)
         _, target.generation = location.read_bytes("zarr.json")
         _write_groups(target, groups)
     return target

@@ -186,7 +186,9 @@ class SaveRun:
         return None
 
     def _must_agree(self) -> bytes:
-        where = self.location.spec if self.location is not None else None
+        where = None  # where the checkpoint goes (not how each rank authenticates)
+        if self.location is not None:
+            where = {k: v for k, v in self.location.spec.items() if k not in ("aws_credentials", "aws_region")}
         return json.dumps([where, self.overwrite, asdict(self.options.plan), self.metadata],
                           sort_keys=True, default=str).encode()
 

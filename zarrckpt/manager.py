@@ -8,11 +8,11 @@
         mgr.install_preemption_handler()         # SIGTERM -> mgr.preempted
         for step in range(start + 1, steps + 1):
             train_step(...)
-            if step % 100 == 0:
+            stop = mgr.reached_preemption(step)  # every rank agrees (one all-reduce)
+            if step % 100 == 0 or stop:
                 mgr.save(step, state, metrics={"loss": loss})
-            if mgr.reached_preemption(step):     # every rank agrees on the step
-                mgr.save(step, state)            # a final save; close() waits for it
-                break
+            if stop:
+                break                            # close() waits for the save in flight
 
 Layout: ``<root>/step_<N>/`` is a plain zarrckpt checkpoint (``N`` zero-padded to 8
 digits, so names sort by step); its root ``zarr.json`` records ``{"step": N, "metrics":

@@ -26,7 +26,12 @@ from ..errors import CheckpointNotFoundError, CorruptChunkError, FormatError, St
 __all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec", "translate_error"]
 
 
-def kvstore_spec(url: str | os.PathLike) -> dict[str, Any]:
+# curl's only timeout: a transfer slower than 256 B/s for this long fails (and is retried).
+# TensorStore reads it once, at the first HTTP request; its default is 60 s.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "20")
+
+
+def kvstore_spec(url: str | os.PathLike, options: StorageOptions | None = None) -> dict[str, Any]:
     """TensorStore kvstore spec (a directory, trailing ``/``) for a checkpoint URL."""
     url = os.fspath(url)
     parsed = urlparse(url)
@@ -50,14 +55,88 @@ def kvstore_spec(url: str | os.PathLike) -> dict[str, Any]:
             "path": parsed.path.strip("/") + "/" if parsed.path.strip("/") else "",
         }
         if scheme == "s3":
-            if os.environ.get("AWS_ENDPOINT_URL"):
-                spec["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
-            spec["aws_region"] = os.environ.get("AWS_REGION", "us-east-1")
+            spec.update(_s3_settings(options or StorageOptions()))
         return spec
     raise CheckpointNotFoundError(
         f"unsupported checkpoint URL scheme {scheme!r} in {url!r}; use a path, file://, "
         "memory://, s3:// or gs://"
     )
+
+
+def _aws_files(options: StorageOptions) -> tuple[str, str, str]:
+    """(profile, credentials file, config file) as the AWS CLI finds them."""
+    profile = options.profile or os.environ.get("AWS_PROFILE") or "default"
+    creds = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    config = os.environ.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    return profile, creds, config
+
+
+def _profile_value(path: str, profile: str, key: str, config: bool) -> str | None:
+    import configparser
+
+    if not os.path.isfile(path):
+        return None
+    cp = configparser.ConfigParser()
+    try:
+        cp.read(path)
+    except configparser.Error:
+        return None
+    section = profile if not config or profile == "default" else f"profile {profile}"
+    return cp.get(section, key, fallback=None)
+
+
+_secret_files: dict[tuple, str] = {}
+
+
+def _private_file(text: str, tag: tuple) -> str:
+    """A file only this user can read, kept for the process's life (TensorStore reads
+    credentials from files only)."""
+    path = _secret_files.get(tag)
+    if path is None:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="zarrckpt-aws-", text=True)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o600)
+        import atexit
+
+        atexit.register(lambda p=path: os.path.exists(p) and os.remove(p))
+        _secret_files[tag] = path
+    return path
+
+
+def _s3_settings(options: StorageOptions) -> dict[str, Any]:
+    """Endpoint, region and credentials of an S3 kvstore, found the usual way: explicit
+    ``StorageOptions`` first, then AWS_* environment variables, then the AWS config and
+    credentials files (profile ``AWS_PROFILE`` or ``default``), else anonymous. Never
+    TensorStore's "default" provider chain, which prints errors when the files are absent."""
+    profile, creds_file, config_file = _aws_files(options)
+    out: dict[str, Any] = {}
+    endpoint = (options.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL"))
+    if endpoint:
+        out["endpoint"] = endpoint
+    out["aws_region"] = (options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                         or _profile_value(config_file, profile, "region", True) or "us-east-1")
+    if options.access_key_id:
+        text = (f"[default]\naws_access_key_id = {options.access_key_id}\n"
+                f"aws_secret_access_key = {options.secret_access_key or ''}\n"
+                + (f"aws_session_token = {options.session_token}\n" if options.session_token else ""))
+        tag = (options.access_key_id, options.secret_access_key, options.session_token)
+        out["aws_credentials"] = {"type": "profile", "profile": "default",
+                                  "credentials_file": _private_file(text, tag),
+                                  "config_file": _private_file("", ("empty",))}
+    elif os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        out["aws_credentials"] = {"type": "environment"}
+    elif (_profile_value(creds_file, profile, "aws_access_key_id", False)
+          or _profile_value(config_file, profile, "aws_access_key_id", True)):
+        out["aws_credentials"] = {
+            "type": "profile", "profile": profile, "credentials_file": creds_file,
+            "config_file": config_file if os.path.isfile(config_file) else _private_file("", ("empty",))}
+    else:
+        out["aws_credentials"] = {"type": "anonymous"}
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,13 +150,24 @@ class StorageOptions:
     ``"each"`` an fsync per file as TensorStore writes it, ``"off"`` none (scratch space).
     ``request_retries``: object stores (S3, GCS) retry a failed request this many times,
     with exponential backoff from 0.25 s to 8 s, then the operation fails (TensorStore's
-    default retries forever, so an unreachable endpoint would hang a save).
+    default retries for 15 minutes, so an unreachable endpoint would stall a save).
+    S3 (each falls back to the usual AWS_* variable, then the AWS config files):
+    ``endpoint`` (S3-compatible servers; AWS_ENDPOINT_URL), ``region`` (AWS_REGION),
+    ``profile`` (AWS_PROFILE), ``access_key_id``/``secret_access_key``/``session_token``
+    (explicit keys for this call; AWS_ACCESS_KEY_ID ...). Without any credentials the
+    bucket is accessed anonymously.
     """
 
     file_io_concurrency: int = 32
     data_copy_concurrency: int = field(default_factory=lambda: max(os.cpu_count() or 1, 1))
     fsync: str = "end"
     request_retries: int = 6
+    endpoint: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.fsync not in ("end", "each", "off"):
@@ -266,7 +356,7 @@ class Storage:
                  spec: dict[str, Any] | None = None) -> None:
         self.url = os.fspath(url)
         self.options = options or StorageOptions()
-        self.spec = spec if spec is not None else kvstore_spec(url)
+        self.spec = spec if spec is not None else kvstore_spec(url, self.options)
         self.context = self.options.context()
         self._kv: ts.KvStore | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
