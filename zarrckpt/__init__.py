@@ -121,7 +121,8 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,
          key_map: Any = None, cast: bool = False, report: dict | None = None,
-         max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20) -> dict:
+         max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
+         storage: StorageOptions | None = None) -> dict:
     """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
     placements and world size), set non-tensor values, call ``load_state_dict`` on
     Stateful leaves, and return ``state_dict``.
@@ -139,12 +140,14 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     ``report``: a dict to fill with bytes needed/fetched and seconds per phase.
     ``max_staging_bytes``: host buffer for device targets and casts (streamed through).
     ``max_inflight_bytes``: bytes of reads in flight (TensorStore buffers whole shards).
+    ``storage``: ``StorageOptions`` (object-store endpoint, credentials, retries ...).
     """
     from ._load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
-                 max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes)
+                 max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
+                 storage=storage)
 
 
 def wait_for_saves(timeout: float | None = None) -> list:
@@ -171,12 +174,13 @@ def release_staging() -> None:
     _release()
 
 
-def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:
+def load_state_dict(path: Any, keys: list[str] | None = None, *,
+                    storage: StorageOptions | None = None) -> dict:
     """One process, no preallocation: the nested state dict with plain CPU tensors
     (all of it, or only ``keys`` — exact keys or prefixes such as ``"model"``)."""
     from ._load import load_state_dict as _lsd
 
-    return _lsd(path, keys)
+    return _lsd(path, keys, storage=storage)
 
 
 def _register_zarr_dtypes() -> None:

@@ -18,11 +18,13 @@ So an old checkpoint stays loadable until the new one replaces it, two saves
 never write into one directory, and an interrupted save leaves the path as it
 was (or a pending claim), plus a hidden directory next to it.
 
-Object stores cannot move a prefix: there the save writes in place. An
-overwrite un-commits the old root and deletes the old keys except the root
-(so the location stays an interrupted save, which any later save may reuse),
-and the commit is a conditional write that succeeds only while the root is
-still this save's pending one.
+Object stores cannot move a prefix: there the save writes in place. The claim
+is a conditional write (of two saves starting at once, one fails); an
+unfinished save's location is taken over only with ``overwrite`` (its late
+writes would otherwise mix into this save's); an overwrite un-commits the old
+root and deletes the old keys except the root (so the location stays an
+interrupted save, reusable with ``overwrite``), and the commit is a conditional
+write that succeeds only while the root is still this save's pending one.
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
         data, generation = location.read_bytes("zarr.json")
         state, attrs = _classify(location, data)
         _refuse(location, state, attrs, overwrite)
+        if state == "pending" and not overwrite:
+            # In place, a save that takes over a location whose save is still running would
+            # get that save's late chunk writes mixed into its own: only with overwrite=True
+            # (the caller asserts that the other save is dead).
+            raise CheckpointExistsError(
+                f"an unfinished save (id {attrs.get('save_id')}, started {attrs.get('created')}) "
+                f"holds {location.url!r}; if it is no longer running, pass overwrite=True to "
+                "replace it")
         # claim with a conditional write: of two saves starting at once, one fails here
         if not location.write_atomic("zarr.json", pending, if_equal=generation):
             raise ConcurrentSaveError(f"another save claimed {location.url!r} at the same moment; "

@@ -49,7 +49,7 @@ from .errors import (
 from .layout import Layout, Replicate, slices as _slices
 from .reader import Checkpoint
 from .staging import Arena, sync_devices
-from .storage import Array, translate_error
+from .storage import Array, StorageOptions, translate_error
 
 log = logging.getLogger("zarrckpt")
 
@@ -76,7 +76,8 @@ class LoadRun:
     """One load on one rank, phase by phase."""
 
     def __init__(self, state_dict: dict, path: Any, g: zdist.Group, *, strict: Any, key_map: KeyMap,
-                 cast: bool, max_staging_bytes: int, max_inflight_bytes: int) -> None:
+                 cast: bool, max_staging_bytes: int, max_inflight_bytes: int,
+                 storage: StorageOptions | None = None) -> None:
         if not isinstance(state_dict, dict):
             raise StateDictMismatchError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         self.state_dict = state_dict
@@ -87,6 +88,7 @@ class LoadRun:
         self.cast = cast
         self.max_staging_bytes = max_staging_bytes
         self.max_inflight_bytes = max_inflight_bytes
+        self.storage = storage
         self.ckpt: Checkpoint | None = None
         self.resolved: Any = None
         self.targets: list[tuple[tuple, Any, str]] = []  # (key path, target leaf, checkpoint key)
@@ -101,7 +103,7 @@ class LoadRun:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
     def open(self) -> None:
-        self.ckpt = Checkpoint(self.path)
+        self.ckpt = Checkpoint(self.path, self.storage)
 
     def match(self) -> None:
         t0 = time.perf_counter()
@@ -184,17 +186,7 @@ class LoadRun:
         self._timed("read", t0)
 
     def check_unchanged(self) -> None:
-        """The root still names the save this load started reading (spec §7.3)."""
-        ckpt = self.ckpt
-        root = ckpt.storage.read_json("zarr.json")
-        attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
-        now = attrs.get("save_id") if isinstance(attrs, dict) else None
-        state = attrs.get("state") if isinstance(attrs, dict) else None
-        if now != ckpt.info.save_id or state != "committed":
-            raise CheckpointChangedError(
-                f"checkpoint {ckpt.url!r} was replaced while it was being read (save "
-                f"{ckpt.info.save_id} -> {now or 'none'}, state {state!r}); the targets hold a "
-                "mix of both: load again")
+        check_unchanged(self.ckpt)
 
     def apply(self) -> None:
         """Set non-tensor values; Stateful leaves in key order, the same on every rank."""
@@ -218,6 +210,20 @@ class LoadRun:
                 "seconds": {**self.timings, "total": sum(self.timings.values())}}
 
 
+def check_unchanged(ckpt: Checkpoint) -> None:
+    """The root still names the save a read started from (spec §7.3): a checkpoint
+    replaced while it was being read is an error, not a mix of two saves."""
+    root = ckpt.storage.read_json("zarr.json")
+    attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
+    now = attrs.get("save_id") if isinstance(attrs, dict) else None
+    state = attrs.get("state") if isinstance(attrs, dict) else None
+    if now != ckpt.info.save_id or state != "committed":
+        raise CheckpointChangedError(
+            f"checkpoint {ckpt.url!r} was replaced while it was being read (save "
+            f"{ckpt.info.save_id} -> {now or 'none'}, state {state!r}); what was read mixes "
+            "both: load again")
+
+
 def load(
     state_dict: dict,
     path: Any,
@@ -229,6 +235,7 @@ def load(
     report: dict | None = None,
     max_staging_bytes: int = 1 << 30,
     max_inflight_bytes: int = 256 << 20,
+    storage: StorageOptions | None = None,
 ) -> dict:
     if strict not in STRICT_MODES:
         raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
@@ -237,7 +244,8 @@ def load(
     error = None
     try:
         run = LoadRun(state_dict, path, g, strict=strict, key_map=key_map, cast=cast,
-                      max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes)
+                      max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
+                      storage=storage)
         run.open()
         run.match()
         run.validate()
@@ -416,7 +424,10 @@ def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:
     return res
 
 
-def load_state_dict(path: Any, keys: list[str] | None = None) -> dict:
+def load_state_dict(path: Any, keys: list[str] | None = None, *,
+                    storage: StorageOptions | None = None) -> dict:
     """The whole checkpoint (or the keys/prefixes asked for) as plain CPU tensors."""
-    ckpt = Checkpoint(path)
-    return ckpt.to_dict(keys, lambda key: _load_value(ckpt, key))
+    ckpt = Checkpoint(path, storage)
+    out = ckpt.to_dict(keys, lambda key: _load_value(ckpt, key))
+    check_unchanged(ckpt)
+    return out

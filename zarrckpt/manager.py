@@ -137,6 +137,11 @@ class CheckpointManager:
         if any(s == step and not f.done() for s, f in self._futures):
             raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
         self._collect()
+        existing, _ = self._root_state(f"step_{step:08d}")
+        if existing == "committed" and not overwrite:
+            raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
+                                        "(pass overwrite=True to replace it)")
+        overwrite = overwrite or existing == "pending"  # an interrupted save of this step
         meta = {"step": step, "metrics": dict(metrics or {})}
         kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
                       metadata=meta)
@@ -147,6 +152,9 @@ class CheckpointManager:
             return fut
         report = zarrckpt.save(state, path, **kwargs)
         self._retain(writing=set())
+        from . import dist as zdist
+
+        zdist.group(self.process_group).all_true(True)  # every rank sees retention done
         return report
 
     def _collect(self) -> None:
@@ -217,6 +225,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 return None
+        load_options.setdefault("storage", self.storage.options)
         zarrckpt.load(state, self.step_path(step), process_group=self.process_group, **load_options)
         return int(step)
 
