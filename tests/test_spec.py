@@ -1,13 +1,15 @@
 """spec/format.md and its JSON Schema twin, checked against what zarrckpt writes.
 
 The checks walk the files on disk (never the library's reader; data is read with zarr-python
-alone) and re-derive the spec's rules (escaping §4, chunk presence §5.3, chunk grid §5.4, inner
-chunks §5.5, tree §6, packed leaves §6.5, commit §7, writers §8) from the text of the spec, so
+alone) and re-derive the spec's rules (escaping §4, chunk presence §5.3, codecs §5.5, tree §6,
+packed leaves §6.5, digests §6.6, commit §7; zarrckpt's own choices of Appendix C: chunk grid C.1,
+inner chunks C.2, packing C.3, writers C.4) from the text of the spec, so
 that a change in either the code or the spec that breaks the other fails here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -101,7 +103,7 @@ def spec_leaves(node: dict, path: tuple = ()):
 
 
 def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] | None:
-    """§5.5 inner chunk rule."""
+    """Appendix C.2 inner chunk rule."""
     if not chunk or math.prod(chunk) * itemsize < 2 * target:
         return None
 
@@ -140,7 +142,7 @@ def spec_numpy_dtype(data_type: str) -> np.dtype:
 
 
 def spec_packing(leaves: list[tuple[str, int]], world: int) -> dict[str, tuple[int, int]]:
-    """§6.5 (informative) assignment: ``[(key, nbytes)]`` -> ``{key: (pack n, offset)}``."""
+    """Appendix C.3 (informative) assignment: ``[(key, nbytes)]`` -> ``{key: (pack n, offset)}``."""
     lengths = [0] * world
     out = {}
     for key, nbytes in sorted(leaves):
@@ -188,6 +190,14 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
 
     # §6.1 num_arrays: array nodes plus pack arrays; §6.2 array node value = key of its key path
     assert attrs["num_arrays"] == len(array_nodes) + len(packs) == len(arrays)
+    # §6.6: the root digest over its own bytes, and the exact bytes of every array zarr.json
+    raw = (root / "zarr.json").read_bytes()
+    assert raw == compact(root_doc)  # §3.2: compact, ASCII, in order
+    digests = attrs["digests"]
+    assert digests["algorithm"] == "sha256" and spec_root_digest(raw, digests["root"]) == digests["root"]
+    assert set(digests["arrays"]) == set(arrays)
+    for apath, want in digests["arrays"].items():
+        assert hashlib.sha256((root / apath / "zarr.json").read_bytes()).hexdigest() == want, apath
     for path, apath in array_nodes.items():
         assert apath == spec_key(path), f"key path {path!r}: array node says {apath!r}"
     # §6.5: the packs are exactly the arrays that packed nodes name, at .packs/<n>
@@ -219,9 +229,9 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
         shape = doc["shape"]
         chunk = doc["chunk_grid"]["configuration"]["chunk_shape"]
         assert len(chunk) == len(shape), where
-        if a["kind"] == "pack":                                              # §5.4: one chunk
+        if a["kind"] == "pack":                                              # C.1: one chunk
             assert chunk == [max(shape[0], 1)] and shape[0] % 8 == 0, where
-        # §5.5: sharded exactly when the inner chunk rule says so
+        # C.2: sharded exactly when the inner chunk rule says so
         itemsize = zdtypes.by_zarr(doc["data_type"]).numpy.itemsize
         inner = spec_inner_chunk(chunk, itemsize, inner_chunk_bytes)
         codecs = doc["codecs"]
@@ -239,6 +249,9 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
             for dp, _, fs in os.walk(base) for f in fs if f != "zarr.json"
         }
         assert present == expected, f"{where}: chunks {sorted(present)} != grid {sorted(expected)}"
+        if inner is not None:  # §5.3: inner chunks overlapping the array are stored
+            for key in expected:
+                check_shard_index(base / key, [int(i) for i in key.split("/")[1:]], shape, chunk, inner, where)
 
     # §6.5: packed nodes
     ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in packs}
@@ -260,6 +273,26 @@ def check_checkpoint(root: Path, *, inner_chunk_bytes: int = 1 << 20) -> dict[st
             covered[lo:hi] = True
         assert not data[~covered].any(), f"{pack}: non-zero padding"
     return docs
+
+
+def check_shard_index(path: Path, index: list[int], shape: list[int], chunk: list[int], inner: list[int],
+                      where: str) -> None:
+    """§5.3 / §5.5: the shard index at the end (16 bytes per inner chunk, row-major, then its
+    CRC-32C): every inner chunk that overlaps the array is stored; the others may be absent."""
+    import google_crc32c
+
+    per = [c // n for c, n in zip(chunk, inner)]
+    count = math.prod(per)
+    data = path.read_bytes()
+    table = data[-(16 * count + 4):-4]
+    assert google_crc32c.value(table) == int.from_bytes(data[-4:], "little"), where
+    entries = np.frombuffer(table, dtype="<u8").reshape(count, 2)
+    for j, (offset, nbytes) in zip(np.ndindex(*per), entries):
+        overlaps = all(i * c + jj * n < s for i, c, jj, n, s in zip(index, chunk, j, inner, shape))
+        absent = offset == nbytes == 2**64 - 1
+        assert not (overlaps and absent), f"{where}: inner chunk {j} of shard {index} is missing"
+        if not absent:
+            assert offset + nbytes <= len(data) - 16 * count - 4, where
 
 
 def spec_read_pack(root: Path, pack: str) -> np.ndarray:
@@ -383,7 +416,7 @@ def test_saved_files_follow_schema_and_spec(tmp_path, options):
         doc = arrays[nodes[key]["array"]]
         return doc["shape"], doc["data_type"], doc["attributes"]["zarrckpt"]["kind"]
 
-    # §6.5 (informative): which leaves zarrckpt packs, and where
+    # C.3 (informative): which leaves zarrckpt packs, and where
     pack_bytes = options.get("pack_bytes", 64 << 10)
     sizes = {}
     for key in nodes:
@@ -408,7 +441,7 @@ def test_saved_files_follow_schema_and_spec(tmp_path, options):
     assert described("optim/state/0/step")[0] == []                    # 0-d
     assert described("empty")[0] == [0, 7]
     if "empty" in arrays:
-        assert arrays["empty"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 7]  # §5.4 empty dim
+        assert arrays["empty"]["chunk_grid"]["configuration"]["chunk_shape"] == [1, 7]  # C.1 empty dim
     assert described("fp8")[1] == "float8_e4m3fn"                      # §5.2, not float8_e4m3
     assert described("model/layer%2Fbias")[1] == "bfloat16"
     assert described("ids")[2] == "ndarray"
@@ -473,8 +506,8 @@ def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
 
 
 def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
-    """§7.2 step 2: before C1, rank 0 writes the pending root and the intermediate groups only;
-    array zarr.json files and chunks come in the write step (step 4)."""
+    """Appendix C.5 step 2: before C1, rank 0 writes the pending root and the intermediate groups
+    only; array zarr.json files and chunks come in the write step (step 3)."""
     from zarrckpt import _save
 
     seen: dict[str, Any] = {}
@@ -592,7 +625,7 @@ def test_spec_placement_example():
 
 
 def test_spec_writer_example():
-    """§8.3's unaligned example and §8.2's writer rule, against zarrckpt.layout."""
+    """Appendix C.4's unaligned example and writer rule, against zarrckpt.layout."""
     from zarrckpt.layout import Layout, Shard
 
     lay = Layout((9, 4), (2, 2), (Shard(0), Shard(0)), key="w")
@@ -601,11 +634,11 @@ def test_spec_writer_example():
     assert writes == {(0, 0): [(0, 0)], (0, 1): [(1, 0)], (1, 0): [], (1, 1): [(2, 0)]}
     sends = lay.save_plan((1, 0))[1]
     assert [(s.dst, s.box[0]) for s in sends] == [((0, 1), (5, 6)), ((1, 1), (6, 7))]
-    assert lay.metadata_writer() == (0, 0)  # §8.4: the writer of chunk (0, 0)
+    assert lay.metadata_writer() == (0, 0)  # C.4: the writer of chunk (0, 0)
 
 
 def spec_pick(h: int, index: tuple, grid: tuple, split: tuple[int, int] | None) -> int:
-    """§8.2: the pick q of a chunk."""
+    """Appendix C.4: the pick q of a chunk."""
     e, k = split if split else (-1, 1)
     lin = 0
     for d, (i, g) in enumerate(zip(index, grid)):
@@ -617,7 +650,7 @@ def spec_pick(h: int, index: tuple, grid: tuple, split: tuple[int, int] | None) 
 
 def spec_metadata_writer(h: int, shape: tuple, mesh: tuple, placements: tuple, grid: tuple,
                          split: tuple[int, int] | None) -> tuple:
-    """§8.4 for aligned layouts: chunk (0, ..., 0) lies in the cell of the coordinates whose
+    """Appendix C.4 (metadata writers) for aligned layouts: chunk (0, ..., 0) lies in the cell of the coordinates whose
     sharding mesh dims are 0; its writer is replica ``q mod R`` of that cell, ``q`` its pick
     (``h`` for an array with a zero-length dimension)."""
     replica_dims = [j for j, p in enumerate(placements) if p == "R"]
@@ -635,7 +668,7 @@ def spec_metadata_writer(h: int, shape: tuple, mesh: tuple, placements: tuple, g
     [((0, 6), (4,), ("R",)), ((8, 0), (2, 3), ("S0", "R")), ((0,), (3, 2), ("R", "S0")), ((), (5,), ("R",))],
 )
 def test_spec_metadata_writer_without_chunks(shape, mesh, placements):
-    """§8.4: arrays with a zero-length dimension (no chunks) and 0-d arrays."""
+    """Appendix C.4: arrays with a zero-length dimension (no chunks) and 0-d arrays."""
     from zarrckpt.layout import Layout, Replicate, Shard
 
     for key in ("a", "opt/x", "model/layer.weight", "%2Eh"):
@@ -656,7 +689,7 @@ def test_spec_metadata_writer_without_chunks(shape, mesh, placements):
     ],
 )
 def test_spec_writer_rule(shape, mesh, placements, split_min, chunk):
-    """§5.4 chunk grid with replica split and §8.2 writer choice, against zarrckpt.layout:
+    """Appendix C.1 chunk grid with replica split and C.4 writer choice, against zarrckpt.layout:
     every chunk written exactly once, by the replica the spec names."""
     from zarrckpt.layout import Layout, Replicate, Shard
 
@@ -682,9 +715,9 @@ def test_spec_writer_rule(shape, mesh, placements, split_min, chunk):
                 r //= mesh[j]
             assert tuple(coord) == tuple(expect), (w.index, coord, expect)
     assert sorted(written) == sorted(np.ndindex(*lay.grid_shape))
-    # §8.4: the array's zarr.json is written by the writer of chunk (0, ..., 0)
+    # C.4: the array's zarr.json is written by the writer of chunk (0, ..., 0)
     assert lay.metadata_writer() == spec_metadata_writer(h, shape, mesh, placements, lay.grid_shape, split)
-    if split:  # §8.2: the k chunks of one split cell are written by k different replicas
+    if split:  # C.4: the k chunks of one split cell are written by k different replicas
         e, k = split
         by_cell: dict[tuple, set] = {}
         for coord in np.ndindex(*mesh):
@@ -729,7 +762,7 @@ def rank_save_logging_puts(rank, world, path, same):
 
 
 def test_two_processes_pack_and_write_as_the_spec_says(tmp_path, clusters):
-    """§6.5 packs of two processes; §7.2 / §8.4: who writes each zarr.json and chunk."""
+    """C.3 packs of two processes; §7.2 / C.4: who writes each zarr.json and chunk."""
     path = tmp_path / "ckpt"
     logs = clusters(2).run(rank_save_logging_puts, str(path), True)
     docs = check_checkpoint(path)
@@ -753,13 +786,13 @@ def test_two_processes_pack_and_write_as_the_spec_says(tmp_path, clusters):
         ".packs/zarr.json": 0,                        # groups: rank 0 (x/y/z is packed: no group x)
         ".packs/0/zarr.json": 0, ".packs/0/c/0": 0,                         # pack n: rank n
         ".packs/1/zarr.json": 1, ".packs/1/c/0": 1,
-        "big/zarr.json": zlib.crc32(b"big") % 2, "big/c/0": zlib.crc32(b"big") % 2,  # §8.2, §8.4
+        "big/zarr.json": zlib.crc32(b"big") % 2, "big/c/0": zlib.crc32(b"big") % 2,  # C.4
     }
     assert {k: r[0] for k, r in writers.items()} == expected
 
 
 def test_two_processes_with_different_keys_pack_nothing(tmp_path, clusters):
-    """§6.5: zarrckpt packs only when every process holds the same tree."""
+    """C.3: zarrckpt packs only when every process holds the same tree."""
     path = tmp_path / "ckpt"
     clusters(2).run(rank_save_logging_puts, str(path), False)
     docs = check_checkpoint(path)
@@ -808,8 +841,8 @@ def spec_example(name: str) -> Any:
 
 def test_spec_header():
     head = SPEC.read_text(encoding="utf-8")[:800]
-    assert "| **Version** | 1.0 |" in head and "draft, unreleased" in head and "2026-11-26" in head
-    assert zformat.FORMAT_VERSION == "1.0"
+    assert "| **Version** | 1.1 |" in head and "draft, unreleased" in head and "2026-11-26" in head
+    assert zformat.FORMAT_VERSION == "1.1"
 
 
 def test_spec_examples_are_present():
@@ -837,10 +870,30 @@ def test_spec_json_examples_validate(name, definition):
         leaves = [n for _, n in spec_leaves(attrs["tree"])]
         packs = {n["packed"]["pack"] for n in leaves if "packed" in n}
         assert attrs["num_arrays"] == sum("array" in n for n in leaves) + len(packs)  # §6.1
+        # §6.6: the digests shown are those of the documents shown (as written: compact JSON)
+        raw = compact(doc)
+        digests = attrs["digests"]
+        assert spec_root_digest(raw, digests["root"]) == digests["root"]
+        assert set(digests["arrays"]) == {n["array"] for n in leaves if "array" in n} | packs
     if name == "array-zarr.json":
-        assert attrs["save_id"] == spec_example("root-zarr.json")["attributes"]["zarrckpt"]["save_id"]
+        root = spec_example("root-zarr.json")["attributes"]["zarrckpt"]
+        assert attrs["save_id"] == root["save_id"]
+        assert hashlib.sha256(compact(doc)).hexdigest() == root["digests"]["arrays"]["model/head.bias"]
     if name == "pack-zarr.json":
-        assert attrs["save_id"] == spec_example("packed-root-zarr.json")["attributes"]["zarrckpt"]["save_id"]
+        root = spec_example("packed-root-zarr.json")["attributes"]["zarrckpt"]
+        assert attrs["save_id"] == root["save_id"]
+        assert hashlib.sha256(compact(doc)).hexdigest() == root["digests"]["arrays"][".packs/0"]
+
+
+def compact(doc: Any) -> bytes:
+    """§3.2: how zarrckpt writes a document (compact, ASCII, members in order)."""
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def spec_root_digest(raw: bytes, claimed: str) -> str:
+    """§6.6, from the text: replace the one occurrence of the digest by 64 '0', SHA-256."""
+    assert raw.count(claimed.encode()) == 1
+    return hashlib.sha256(raw.replace(claimed.encode(), b"0" * 64)).hexdigest()
 
 
 def _od_bytes(text: str) -> bytes:
@@ -851,7 +904,7 @@ def _od_bytes(text: str) -> bytes:
     return bytes(out)
 
 
-VOLATILE = ("save_id", "created", "committed", "writer")
+VOLATILE = ("save_id", "created", "committed", "writer", "digests")
 
 
 def test_worked_example_matches_a_fresh_save(tmp_path, monkeypatch):
@@ -922,3 +975,30 @@ def test_appendix_b_reads_every_kind_of_leaf(tmp_path, monkeypatch):
             elif isinstance(want, (torch.Tensor, np.ndarray)):
                 shape, raw = leaf_bytes(want)
                 assert got[key_path].shape == shape and np.ascontiguousarray(got[key_path]).tobytes() == raw, key_path
+
+
+def test_appendix_b_refuses_missing_chunks(tmp_path, monkeypatch):
+    """§1.3 / Appendix B: the zarr-python reader checks the commit state and that every chunk
+    exists (zarr-python alone would return fill values)."""
+    ns: dict[str, Any] = {}
+    monkeypatch.chdir(tmp_path)
+    exec(compile(spec_examples()["zarr-python"].split("\nstate = read_checkpoint")[0], "appendix-b", "exec"), ns)
+    zarrckpt.save({"w": torch.ones(6, 4), "big": torch.ones(300, 64)}, tmp_path / "c", pack_bytes=0,
+                  inner_chunk_bytes=1024)
+    assert ns["read_checkpoint"](str(tmp_path / "c"))["w"].tolist() == [[1.0] * 4] * 6
+    os.remove(tmp_path / "c" / "big" / "c" / "0" / "0")
+    with pytest.raises(AssertionError, match="missing chunks"):
+        ns["read_checkpoint"](str(tmp_path / "c"))
+
+
+def test_spec_edge_shard_example_is_the_golden_file():
+    """§5.3's example ([10, 2] float32 over 4 processes, inner chunks [1, 2]) is
+    tests/golden/v1.0/four_ranks_dtensor/edge_padding: inner chunks 1 and 2 of shard 3 absent."""
+    base = REPO / "tests" / "golden" / "v1.0" / "four_ranks_dtensor" / "edge_padding"
+    doc = json.loads((base / "zarr.json").read_text())
+    assert doc["shape"] == [10, 2] and doc["chunk_grid"]["configuration"]["chunk_shape"] == [3, 2]
+    assert doc["codecs"][0]["configuration"]["chunk_shape"] == [1, 2]
+    check_shard_index(base / "c" / "3" / "0", [3, 0], [10, 2], [3, 2], [1, 2], "edge_padding")
+    data = (base / "c" / "3" / "0").read_bytes()
+    entries = np.frombuffer(data[-52:-4], dtype="<u8").reshape(3, 2)
+    assert (entries[1:] == 2**64 - 1).all() and entries[0, 1] == 12
