@@ -56,6 +56,7 @@ MAX_DEPTH = 32  # components of a key path (spec §6.2): the root zarr.json then
 MAX_INT_DIGITS = 1000  # decimal digits of an integer value or key (spec §6.2)
 
 _SAFE = re.compile(r"[A-Za-z0-9._-]")
+_PLAIN_SEGMENT = re.compile(r"(?!\.)(?!__)[A-Za-z0-9._-]{1,255}")  # a string that escapes to itself
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_COMPONENT_BYTES = 255  # common file-system limit on one path component
 _NODE_KINDS = ("dict", "list", "tuple", "array", "packed", "json", "float")
@@ -69,6 +70,8 @@ def _short(x: Any, n: int = 60) -> str:
 def _int_too_long(n: int) -> bool:
     """More than MAX_INT_DIGITS decimal digits? (without converting a huge int to decimal,
     which Python refuses beyond 4300 digits)"""
+    if -(1 << 62) < n < (1 << 62):
+        return False
     n = abs(int(n))
     bits = n.bit_length()
     if bits <= 3321:  # 2**3321 < 10**1000
@@ -89,6 +92,8 @@ def escape(component: str | int) -> str:
         if len(s) > _MAX_COMPONENT_BYTES:
             raise UnsupportedValueError(f"integer key of {len(s)} digits is too long for a path segment")
         return s
+    if _PLAIN_SEGMENT.fullmatch(component) and component != "zarr.json":
+        return component  # the common case: nothing to escape
     if _SURROGATE.search(component):
         raise UnsupportedValueError(
             f"dict key {_short(component)} is not valid Unicode (it holds a lone surrogate, "
