@@ -205,3 +205,18 @@ def test_two_saves_to_one_url_at_once(s3):
         loser = [r for r in results.values() if r != "ok"][0]
         assert loser in ("ConcurrentSaveError", "CheckpointExistsError"), results
         check(zarrckpt.load_state_dict(url, storage=opts(s3)), winners[0])
+
+
+def test_manager_example_on_s3(s3):
+    """examples/train_with_manager.py pointed at an s3:// URL: killed, resumed on 1 rank."""
+    url = s3.url(s3.fresh_prefix() + "run")
+    env = dict(os.environ, **{k: v for k, v in s3.env().items()
+                              if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                       "AWS_ENDPOINT_URL")})
+    script = os.path.join(os.path.dirname(TESTS), "examples", "train_with_manager.py")
+    r = subprocess.run([sys.executable, script, url], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[world 1] resumed from step 20" in r.stdout and f"checkpoint at {url}/step_00000040" in r.stdout
+    prefix = url.split("/", 3)[3] + "/"
+    rel = [k[len(prefix):] for k in s3.list_objects(prefix=prefix)]
+    assert {k.split("/")[0] for k in rel} == {"step_00000020", "step_00000030", "step_00000040"}
