@@ -11,6 +11,7 @@ import torch
 
 from . import dist as zdist
 from . import dtypes
+from . import tree as ztree
 from .errors import UnsupportedValueError
 
 __all__ = ["is_array_leaf", "is_stateful", "resolve_stateful", "checked_tensor", "checked_dtype"]
@@ -24,16 +25,22 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
-def resolve_stateful(obj: Any) -> Any:
-    """A copy of the nested containers with every Stateful replaced by its state_dict()."""
+def resolve_stateful(obj: Any, depth: int = 0) -> Any:
+    """A copy of the nested containers with every Stateful replaced by its state_dict().
+    Nesting deeper than the format allows (``tree.MAX_DEPTH``) is refused here, before
+    anything else looks at the state."""
+    if depth > ztree.MAX_DEPTH:
+        raise UnsupportedValueError(
+            f"the state dict is nested more than {ztree.MAX_DEPTH} levels deep (the format's "
+            "limit, spec §6.2); flatten it, or store the deep part as bytes")
     if is_stateful(obj):
-        return resolve_stateful(obj.state_dict())
+        return resolve_stateful(obj.state_dict(), depth)
     if isinstance(obj, dict):
-        return {k: resolve_stateful(v) for k, v in obj.items()}
+        return {k: resolve_stateful(v, depth + 1) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [resolve_stateful(v) for v in obj]
+        return [resolve_stateful(v, depth + 1) for v in obj]
     if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(resolve_stateful(v) for v in obj)
+        return tuple(resolve_stateful(v, depth + 1) for v in obj)
     return obj
 
 
