@@ -67,6 +67,7 @@ def test_foreground_errors_raise_at_the_call(tmp_path):
 def test_sync_save_streams_device_data_through_a_bounded_buffer(tmp_path, monkeypatch):
     # No GPU here: pretend CPU tensors live on a device so they take the staging path.
     monkeypatch.setattr(ArrayPlan, "on_host", property(lambda self: False))
+    zarrckpt.release_staging()  # the streaming arena is reused across calls: start afresh
     taken = []
     real_stage = staging.Arena.stage
 
@@ -116,3 +117,25 @@ def test_load_streams_cast_targets_through_bounded_buffer(tmp_path):
     target = {k: torch.zeros(64, 64) for k in state}  # fp32 targets: staged, then cast
     zarrckpt.load(target, tmp_path / "c", cast=True, max_staging_bytes=20 << 10)
     assert all(torch.equal(target[k], v.float()) for k, v in state.items())
+
+
+def test_large_regions_are_read_in_pieces_and_the_arena_is_reused(tmp_path, monkeypatch):
+    from zarrckpt.storage import Array
+
+    w = torch.randn(1024, 1024)  # 4 MiB: sharded with 64 KiB inner chunks
+    zarrckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=64 << 10)
+    calls = []
+    real = Array.read_into
+    monkeypatch.setattr(Array, "read_into", lambda self, box, out: calls.append(box) or real(self, box, out))
+    zarrckpt.release_staging()
+    ptrs = set()
+    for _ in range(2):
+        target = {"w": torch.zeros(1024, 1024, dtype=torch.float64)}  # a cast: staged through the arena
+        zarrckpt.load(target, tmp_path / "c", cast=True, max_inflight_bytes=8 << 20)
+        assert torch.equal(target["w"], w.double())
+        ptrs.add(staging._STREAM._buf.data_ptr())
+    assert len(ptrs) == 1  # one pinned buffer for both loads
+    assert len(calls) == 2 * 4  # 1 MiB pieces (8 MiB / 8), on inner-chunk boundaries
+    assert all((b - a) % 64 == 0 or b == 1024 for (a, b), _ in calls)
+    sd = zarrckpt.load_state_dict(tmp_path / "c", max_inflight_bytes=8 << 20)
+    assert torch.equal(sd["w"], w)

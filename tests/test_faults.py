@@ -178,7 +178,9 @@ def test_object_store_overwrite_interrupted_in_clearing_is_reusable(monkeypatch)
     monkeypatch.setattr(Storage, "clear", real)
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.load_state_dict(url)  # the root stayed: an interrupted save, not foreign data
-    zarrckpt.save(state(3.0), url)  # ... which any later save may reuse
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="unfinished save"):
+        zarrckpt.save(state(3.0), url)  # in place, it might still be running ...
+    zarrckpt.save(state(3.0), url, overwrite=True)  # ... and with overwrite=True it is reused
     assert_holds(url, 3.0)
 
 

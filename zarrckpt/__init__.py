@@ -175,12 +175,13 @@ def release_staging() -> None:
 
 
 def load_state_dict(path: Any, keys: list[str] | None = None, *,
-                    storage: StorageOptions | None = None) -> dict:
+                    storage: StorageOptions | None = None, max_inflight_bytes: int = 256 << 20) -> dict:
     """One process, no preallocation: the nested state dict with plain CPU tensors
-    (all of it, or only ``keys`` — exact keys or prefixes such as ``"model"``)."""
+    (all of it, or only ``keys`` — exact keys or prefixes such as ``"model"``), every
+    array read concurrently in pieces."""
     from ._load import load_state_dict as _lsd
 
-    return _lsd(path, keys, storage=storage)
+    return _lsd(path, keys, storage=storage, max_inflight_bytes=max_inflight_bytes)
 
 
 def _register_zarr_dtypes() -> None:

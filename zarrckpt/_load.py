@@ -22,6 +22,7 @@ the failing ranks)::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import time
@@ -48,7 +49,7 @@ from .errors import (
 )
 from .layout import Layout, Replicate, slices as _slices
 from .reader import Checkpoint
-from .staging import Arena, sync_devices
+from .staging import streaming_arena, sync_devices
 from .storage import Array, StorageOptions, translate_error
 
 log = logging.getLogger("zarrckpt")
@@ -174,8 +175,8 @@ class LoadRun:
                 if boxes:
                     todo.append((ck, boxes, local))
         try:
-            reads.open({ck for ck, _, _ in todo}, self.infos)
-            with reads.pending:
+            with reads:
+                reads.open({ck for ck, _, _ in todo}, self.infos)
                 for ck, boxes, local in todo:
                     reads.add(ck, self.infos[ck], boxes, local)
                 reads.finish()
@@ -275,7 +276,11 @@ class _Reads:
     def __init__(self, ckpt: Checkpoint, max_staging_bytes: int, max_inflight_bytes: int) -> None:
         self.ckpt = ckpt
         self.arena = None
+        self._lease = contextlib.ExitStack()  # the process's streaming arena, while borrowed
         self.max_staging_bytes = max_staging_bytes
+        # a region bigger than this is read as several pieces along inner-chunk boundaries,
+        # so that the in-flight bound keeps many reads going whatever the tensor sizes
+        self.piece_bytes = max(1 << 20, min(32 << 20, max_inflight_bytes // 8))
         self.arrays: dict[str, Any] = {}
         self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
@@ -301,6 +306,10 @@ class _Reads:
             dst = self._staging(tuple(local.shape), saved, local)
         if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
             full = self.ckpt.read(key)
+            if isinstance(full, io.BytesIO):
+                full = full.getvalue()
+            if isinstance(full, (bytes, bytearray)):
+                full = np.frombuffer(full, np.uint8)
             for gbox, lbox in boxes:
                 view = dst[_slices(lbox)] if lbox else dst
                 view[...] = full[_slices(gbox)] if gbox else full
@@ -312,15 +321,16 @@ class _Reads:
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
-            view = dst[_slices(lbox)] if lbox else dst
-            self.pending.add(key, arr.read_into(gbox, view), view.nbytes)
-            self.bytes_needed += view.nbytes
-            self.bytes_fetched += _fetched(gbox, inner, info.shape) * view.itemsize
+            self.bytes_needed += int(np.prod([b - a for a, b in gbox])) * dst.itemsize
+            self.bytes_fetched += _fetched(gbox, inner, info.shape) * dst.itemsize
+            for pg, pl in _pieces(gbox, lbox, inner, dst.itemsize, self.piece_bytes):
+                view = dst[_slices(pl)] if pl else dst
+                self.pending.add(key, arr.read_into(pg, view), view.nbytes)
 
     def _staging(self, shape, dtype, target: torch.Tensor) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         if self.arena is None:
-            self.arena = Arena(self.max_staging_bytes)
+            self.arena = self._lease.enter_context(streaming_arena(self.max_staging_bytes))
         if nbytes > self.arena.capacity:
             buf = torch.empty(shape, dtype=dtype, pin_memory=self.arena.pinned)
         else:
@@ -343,6 +353,17 @@ class _Reads:
     def finish(self) -> None:
         self._flush()
 
+    def __enter__(self) -> _Reads:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving by an error waits for every read still in flight; the streaming
+        arena goes back to the process either way."""
+        if exc_type is not None:
+            self.pending.drain()
+        self.arena = None
+        self._lease.close()
+
 
 def _read_unit(info: Any) -> tuple[int, ...]:
     """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
@@ -350,6 +371,30 @@ def _read_unit(info: Any) -> tuple[int, ...]:
         if c.get("name") == "sharding_indexed":
             return tuple(c["configuration"]["chunk_shape"])
     return info.chunk_shape
+
+
+def _pieces(gbox, lbox, unit, itemsize: int, max_bytes: int):
+    """(global box, local box) pieces of at most ~``max_bytes`` that split a region along
+    its first dim spanning several read units, at unit (inner chunk) boundaries."""
+    extents = [b - a for a, b in gbox]
+    total = int(np.prod(extents)) * itemsize
+    d = next((i for i, ((a, b), u) in enumerate(zip(gbox, unit)) if b - a > u), None)
+    if total <= max_bytes or d is None:
+        yield gbox, lbox
+        return
+    a, b = gbox[d]
+    u = unit[d]
+    per_index = total // (b - a)
+    step = max(u, (max_bytes // max(per_index, 1)) // u * u)
+    s = a
+    while s < b:
+        e = min(b, (s // u) * u + step)  # ends on a unit boundary (or at the region's end)
+        shift = s - a
+        pg = gbox[:d] + ((s, e),) + gbox[d + 1:]
+        lo = lbox[d][0] + shift
+        pl = lbox[:d] + ((lo, lo + e - s),) + lbox[d + 1:]
+        yield pg, pl
+        s = e
 
 
 def _fetched(box, unit, shape) -> int:
@@ -425,9 +470,37 @@ def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:
 
 
 def load_state_dict(path: Any, keys: list[str] | None = None, *,
-                    storage: StorageOptions | None = None) -> dict:
-    """The whole checkpoint (or the keys/prefixes asked for) as plain CPU tensors."""
+                    storage: StorageOptions | None = None,
+                    max_inflight_bytes: int = 256 << 20) -> dict:
+    """The whole checkpoint (or the keys/prefixes asked for) as plain CPU tensors. Every
+    array is read concurrently, in pieces (bounded by ``max_inflight_bytes``), so one
+    process uses all its cores and the storage's parallelism."""
     ckpt = Checkpoint(path, storage)
-    out = ckpt.to_dict(keys, lambda key: _load_value(ckpt, key))
+    wanted: list[str] = []
+    ckpt.to_dict(keys, lambda key: wanted.append(key))  # which leaves, without reading
+    arrays = [k for k in wanted if ckpt.is_array(k)]
+    infos = ckpt.array_infos(arrays)
+    out: dict[str, Any] = {}
+    with _Reads(ckpt, 1, max_inflight_bytes) as reads:
+        reads.open({k for k in arrays if not ckpt.is_packed(k)}, infos)
+        for k in arrays:
+            info = infos[k]
+            t = torch.empty(info.shape, dtype=dtypes.torch_dtype(info.dtype))
+            out[k] = t
+            if t.numel():
+                reads.add(k, info, [(tuple((0, n) for n in info.shape),) * 2], t)
+        reads.finish()
+    values = {k: _as_leaf(infos[k], out[k]) for k in arrays}
+    result = ckpt.to_dict(keys, lambda key: values[key] if key in values else ckpt.read(key))
     check_unchanged(ckpt)
-    return out
+    return result
+
+
+def _as_leaf(info: Any, t: torch.Tensor) -> Any:
+    """A loaded array as the leaf type it was saved as."""
+    if info.kind in ("bytes", "bytesio"):
+        data = dtypes.to_numpy(t).tobytes()
+        return io.BytesIO(data) if info.kind == "bytesio" else data
+    if info.kind == "ndarray":
+        return dtypes.to_numpy(t)
+    return t

@@ -30,6 +30,7 @@ then write/C2/commit/C3 in a background thread over a separate gloo group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
@@ -48,7 +49,7 @@ from ._plan import ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state,
 from ._state import resolve_stateful
 from .layout import slices as _slices
 from .errors import SaveFailedError, UnsupportedValueError
-from .staging import Arena, staged_nbytes, sync_devices
+from .staging import Arena, staged_nbytes, streaming_arena, sync_devices
 from .storage import Array, Storage, StorageOptions
 
 log = logging.getLogger("zarrckpt")
@@ -355,7 +356,7 @@ class SaveRun:
 
     def _write(self, streaming: bool) -> None:
         st = self.store
-        with InFlight(self.options.max_inflight_bytes, op="write") as pending:
+        with contextlib.ExitStack() as lease, InFlight(self.options.max_inflight_bytes, op="write") as pending:
             for p in self.arrays:
                 if p.coord is not None and p.layout.metadata_writer() == p.coord:
                     pending.add(p.key, st.put(f"{p.key}/zarr.json", _commit.encode(p.metadata)), 0)
@@ -364,8 +365,9 @@ class SaveRun:
             opened = {p.key: st.open_for_write(p.key, p.metadata) for p in todo if not _all_small(p)}
             device = [p.source for p in todo if self._needs_data(p) and not p.on_host]
             arena = None
-            if streaming and device:
-                arena = Arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device))))
+            if streaming and device:  # the process's streaming arena, reused by every save/load
+                arena = lease.enter_context(
+                    streaming_arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device)))))
             for p in todo:
                 host = self.staged.get(p.key)
                 if host is None and p.kind == "pack":
@@ -388,7 +390,6 @@ class SaveRun:
                         pending.add(p.key, arr.write(w.box, data, stable=True), data.nbytes)
                     self.bytes_written += data.nbytes
             pending.wait()
-        del arena  # pinned memory is not kept past the save
         st.flush()  # one syncfs for everything this rank wrote
 
     def _stream_stage(self, p: ArrayPlan, arena: Arena, pending: InFlight) -> np.ndarray:
