@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 from collections import namedtuple
