@@ -335,8 +335,9 @@ BAD_ROOTS: dict[str, Bad] = {
 
 @pytest.mark.parametrize("case", list(BAD_ROOTS.values()), ids=list(BAD_ROOTS))
 def test_schema_refuses_bad_root(case):
-    if case.schema:
-        pytest.skip(f"parser only: {case.schema}")
+    if case.schema:  # a rule the schema cannot express: it accepts, only the parser refuses
+        assert is_valid("rootAttributes", case.doc), f"the schema now refuses it: drop the note {case.schema!r}"
+        return
     assert not is_valid("rootAttributes", case.doc)
     assert not is_valid(None, case.doc)
     assert not is_valid("rootDocument", root_document(case.doc))
@@ -469,7 +470,7 @@ BAD_ARRAYS: dict[str, Bad] = {
                                               attributes={"zarrckpt": {"kind": "tensor", "save_id": SAVE_ID}}),
                                       "fill_value"),
     "int fill value out of range": Bad(_tensor(data_type="int8", fill_value=300, attributes={
-        "zarrckpt": {"kind": "tensor", "save_id": SAVE_ID}}), "fill_value", schema=SHAPE_RULE),
+        "zarrckpt": {"kind": "tensor", "save_id": SAVE_ID}}), "fill_value"),
     "hex fill value of the wrong width": Bad(array_document(fill_value="0x7f"), "fill_value", schema=SHAPE_RULE),
     "complex fill value of one number": Bad(GOOD_ARRAYS["complex"] | {"fill_value": 0}, "fill_value"),
     "big endian": Bad(array_document(codecs=[{"name": "bytes", "configuration": {"endian": "big"}}, _CRC]),
@@ -511,8 +512,9 @@ BAD_ARRAYS: dict[str, Bad] = {
 
 @pytest.mark.parametrize("case", list(BAD_ARRAYS.values()), ids=list(BAD_ARRAYS))
 def test_schema_refuses_bad_array(case):
-    if case.schema:
-        pytest.skip(f"parser only: {case.schema}")
+    if case.schema:  # a rule the schema cannot express: it accepts, only the parser refuses
+        assert is_valid("arrayDocument", case.doc), f"the schema now refuses it: drop the note {case.schema!r}"
+        return
     assert not is_valid("arrayDocument", case.doc)
 
 

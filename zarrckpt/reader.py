@@ -27,7 +27,7 @@ from . import format as fmt
 from . import tree as ztree
 from ._io import wait_all
 from .errors import CheckpointNotFoundError, FormatError
-from .storage import Array, Storage, StorageOptions, storage_error, translate_error
+from .storage import Array, Storage, StorageOptions, in_memory_array, storage_error, translate_error
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -166,12 +166,10 @@ class Checkpoint:
         leaf is small (``pack_bytes`` at most): its bytes are read from its pack and returned
         as an in-memory, read-only TensorStore array of its data type and shape."""
         if self.is_packed(key):
-            import tensorstore as ts  # storage/ owns TensorStore; an in-memory array needs no store
-
             value = self.read(key)
             if isinstance(value, bytes):
                 value = np.frombuffer(value, np.uint8)
-            return ts.array(np.ascontiguousarray(value), write=False)
+            return in_memory_array(value)
         return self.open_array(key)._ts
 
     def read(self, key: str) -> Any:

@@ -18,6 +18,15 @@ read-only, permission, unreachable endpoint) or
 TensorStore's status code (:func:`translate_error`).
 """
 
-from ._tensorstore import Array, Storage, StorageOptions, kvstore_spec, storage_error, translate_error
+from ._tensorstore import (
+    Array,
+    Storage,
+    StorageOptions,
+    in_memory_array,
+    kvstore_spec,
+    storage_error,
+    translate_error,
+)
 
-__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec", "storage_error", "translate_error"]
+__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "kvstore_spec", "storage_error",
+           "translate_error"]

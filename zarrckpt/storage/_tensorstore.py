@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from ..errors import CheckpointNotFoundError, CorruptChunkError, FormatError, StorageError, ZarrckptError
 
-__all__ = ["Array", "Storage", "StorageOptions", "kvstore_spec", "translate_error"]
+__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "kvstore_spec", "translate_error"]
 
 
 # curl's only timeout: a transfer slower than 256 B/s for this long fails (and is retried).
@@ -320,6 +320,11 @@ def _exchange(a: str, b: str) -> bool:
     if err in (_errno.EINVAL, _errno.ENOSYS, _errno.ENOTSUP):
         return False  # file system or kernel without RENAME_EXCHANGE (NFS, old kernels)
     raise OSError(err, os.strerror(err), a)
+
+
+def in_memory_array(data: np.ndarray) -> ts.TensorStore:
+    """A read-only TensorStore array over a copy of ``data`` (packed leaves' handles)."""
+    return ts.array(np.ascontiguousarray(data), write=False)
 
 
 class Array:
