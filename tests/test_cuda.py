@@ -73,3 +73,38 @@ def test_fsdp2_on_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+
+
+def _overlap_rank(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    mesh = init_device_mesh("cuda", (world,))
+    w = distribute_tensor(torch.arange(1 << 22, dtype=torch.float32, device="cuda").reshape(2048, 2048),
+                          mesh, [Shard(0)])
+    ref = w.full_tensor().cpu()
+    zarrckpt.reserve_staging({"w": w})
+    # default: the current stream waits for the side-stream copies, so this add comes after them
+    fut = zarrckpt.async_save({"w": w}, f"{path}/default")
+    w.to_local().add_(1)
+    fut.result(timeout=120)
+    # overlap=True: nothing waits until the caller says so
+    fut = zarrckpt.async_save({"w": w}, f"{path}/overlap", overlap=True)
+    fut.wait_staged(torch.cuda.current_stream())
+    w.to_local().add_(1)
+    assert fut.result(timeout=120)["bytes_staged"] > 0 and fut.staged()
+    if rank == 0:
+        assert torch.equal(zarrckpt.load_state_dict(f"{path}/default")["w"], ref)
+        assert torch.equal(zarrckpt.load_state_dict(f"{path}/overlap")["w"], ref + 1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_async_staging_on_a_side_stream(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_overlap_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)

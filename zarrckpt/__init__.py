@@ -108,17 +108,22 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
-               metadata: dict | None = None, **options: Any):
-    """Like :func:`save`, but returns once the local shards are copied to (pinned, reused)
-    host buffers; writing and the commit finish in a background thread. Returns a
-    ``SaveFuture``: ``staged_seconds`` is the time training was blocked, ``result()``
-    waits for the commit and returns the report or raises. One save in flight at a time:
+               metadata: dict | None = None, overlap: bool = False, **options: Any):
+    """Like :func:`save`, but returns once the copies of the local shards to (pinned,
+    reused) host buffers are issued; writing and the commit finish in a background
+    thread. CUDA shards are copied on a side stream; the current stream waits for those
+    copies (GPU-side), so the next steps queued on it cannot change the state too early,
+    while the CPU goes on at once. ``overlap=True``: the current stream does not wait
+    either (compute overlaps the copies); call ``fut.wait_staged(stream)`` before the
+    optimizer changes the state. Returns a ``SaveFuture``: ``staged_seconds`` is the
+    time the call blocked, ``result()`` waits for the commit and returns the report or
+    raises. One save in flight at a time:
     a second call (from any thread) first waits until the previous save has committed.
     """
     from ._async import async_save as _async_save
 
     return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite,
-                       metadata=metadata, **options)
+                       metadata=metadata, overlap=overlap, **options)
 
 
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,

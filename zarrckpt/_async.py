@@ -41,6 +41,11 @@ class SaveFuture:
     """The handle ``async_save`` returns.
 
     ``staged_seconds``: how long the caller was blocked (set before return).
+    ``wait_staged(stream=None)``: CUDA state is copied to host on a side stream after
+    ``async_save`` returns; this waits for those copies (on the CPU, or, given a CUDA
+    stream, on that stream without blocking the CPU). Until then the state must not be
+    changed; by default the current stream already waits for them.
+    ``staged()``: are the copies done?
     ``done()`` / ``result(timeout)``: the commit; ``result`` returns the report or raises
     the save's error (every rank raises the same class, naming the failing ranks).
     """
@@ -54,6 +59,19 @@ class SaveFuture:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_staged(self, stream: Any = None) -> None:
+        ev = self.run.staged_event
+        if ev is None:
+            return
+        if stream is not None:
+            stream.wait_event(ev)
+        else:
+            ev.synchronize()
+
+    def staged(self) -> bool:
+        ev = self.run.staged_event
+        return ev is None or ev.query()
 
     def result(self, timeout: float | None = None) -> dict:
         return self._future.result(timeout)
@@ -71,6 +89,8 @@ def _background(fut: SaveFuture, side: zdist.Group) -> None:
     run = fut.run
     try:
         try:
+            if run.staged_event is not None:
+                run.staged_event.synchronize()
             run.finish(run.write(streaming=False), side)
         except BaseException:
             run.abandon()
@@ -128,7 +148,7 @@ _exit_hooked = False
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
-               metadata: dict | None = None, **options: Any) -> SaveFuture:
+               metadata: dict | None = None, overlap: bool = False, **options: Any) -> SaveFuture:
     t0 = time.perf_counter()
     with _foreground:
         with _state_lock:
@@ -140,7 +160,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         side = run.g.side_group()
         plan_and_prepare(run)
         try:
-            error = run.stage(shared_arena())
+            error = run.stage(shared_arena(), overlap=overlap)
             run.g.agree_or_raise(error, f"staging the save to {run.url!r}", SaveFailedError)
         except BaseException:
             run.abandon()

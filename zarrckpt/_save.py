@@ -163,6 +163,7 @@ class SaveRun:
         self.fills: list[tuple[np.ndarray, torch.Tensor]] = []
         self.assembled: dict[str, dict[tuple[int, ...], np.ndarray]] = {}  # chunks built by exchange
         self.staged: dict[str, np.ndarray] = {}  # async: host copies of local data
+        self.staged_event: Any = None  # async, CUDA: recorded when the side-stream copies end
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
         self.bytes_staged = 0
@@ -305,24 +306,44 @@ class SaveRun:
         self.sends, self.recvs, self.fills = [], [], []
         self._timed("exchange", t0)
 
-    def stage(self, arena: Arena) -> BaseException | None:
+    def stage(self, arena: Arena, *, overlap: bool = False) -> BaseException | None:
         """Async saves: copy every local shard this rank writes (and its packs) into the
-        reused arena, so the caller may change its state once this returns."""
+        reused arena. Host data is copied before this returns. CUDA data is copied on a
+        side stream, after the work already queued on the current stream, and this
+        returns without waiting: the current stream is made to wait for the copies
+        (``overlap=False``), so later work on it cannot change the state too early; with
+        ``overlap=True`` nothing waits, and the caller must call ``wait_staged`` before it
+        changes the state. ``self.staged_event`` marks the end of the copies."""
         t0 = time.perf_counter()
         try:
             todo = [p for p in self.arrays if self._needs_data(p)]
             tensors = [p.source for p in todo if isinstance(p.source, torch.Tensor)]
             self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
             arena.reserve(self.bytes_staged)
-            for p in todo:
-                if isinstance(p.source, torch.Tensor):
-                    _, self.staged[p.key] = arena.stage(p.source)
-                else:
-                    self.staged[p.key] = np.array(p.source, copy=True)
+            cuda = [t for t in tensors if t.device.type == "cuda"]
+            side = None
+            if cuda and arena.pinned:
+                device = cuda[0].device
+                side = _copy_stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                for p in todo:
+                    if isinstance(p.source, torch.Tensor):
+                        _, self.staged[p.key] = arena.stage(p.source)
+                    else:
+                        self.staged[p.key] = np.array(p.source, copy=True)
+            if side is not None:
+                for t in cuda:
+                    t.record_stream(side)  # the caching allocator keeps their memory until then
+                self.staged_event = torch.cuda.Event()
+                self.staged_event.record(side)
+                if not overlap:
+                    torch.cuda.current_stream(cuda[0].device).wait_event(self.staged_event)
+            else:
+                sync_devices(tensors)
             for p in self.arrays:
                 if p.kind == "pack" and p.members:
                     self.staged[p.key] = pack_bytes(p)
-            sync_devices(tensors)
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
             return e
         finally:
@@ -443,6 +464,17 @@ def _as_bytes(pairs):
     """Exchange raw bytes so every dtype (bool, fp8 ...) travels through every backend."""
     return [(peer, t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8))
             for peer, t in pairs]
+
+
+_copy_streams: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per device for async staging copies."""
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def _merge_trees(trees: list[dict]) -> dict:
