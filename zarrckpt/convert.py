@@ -1,0 +1,653 @@
+"""Converters between zarrckpt and PyTorch DCP, ``torch.save`` and Hugging Face safetensors.
+
+>>> from zarrckpt import convert                                           # doctest: +SKIP
+>>> convert.from_safetensors("hf_model/", "ckpt")                          # doctest: +SKIP
+>>> convert.to_safetensors("ckpt", "hf_out/", keys={"model/": ""},         # doctest: +SKIP
+...                        dtype="bfloat16", max_shard_size="2GB")
+>>> convert.convert("dcp_dir", "ckpt")         # formats detected            # doctest: +SKIP
+
+Every function streams: a source is read tensor by tensor, and each tensor in pieces of at
+most ``memory_limit / 8`` bytes (a piece is contiguous in C order, so file formats write it
+sequentially and zarrckpt stores it as exactly one chunk); writes in flight are bounded
+too, so the converting process holds about ``memory_limit`` bytes of tensor data at most,
+whatever the checkpoint's size (``tests/test_convert_memory.py`` measures it).
+
+Common options:
+
+``keys``
+    Which leaves, under which names (:func:`zarrckpt.interop._common.key_selector`): None
+    (all); a prefix or a list of prefixes (string prefixes of the key: ``"model/"``); a
+    mapping ``{old prefix: new prefix}`` (``{"model/": ""}``); or a callable
+    ``key -> new key | None``. Keys are zarrckpt keys: escaped components joined by ``/``
+    (spec §4). A Hugging Face name such as ``model.layers.0.weight`` is one component and
+    its own key; DCP and ``torch.save`` leaves have the key of their path in the nested
+    state dict (``model/layer.weight``).
+``dtype``
+    Cast floating-point arrays (float16/32/64, bfloat16, float8) to this dtype (``"bf16"``,
+    ``torch.float16`` ...), or a mapping ``{from: to}`` of dtypes. None keeps every dtype.
+``progress``
+    ``callable(Progress)``, called after every piece and every leaf.
+``memory_limit``
+    Bytes of tensor data the conversion may hold at once (default 1 GiB).
+``overwrite``
+    Replace what is at ``dst`` (otherwise an existing destination is refused).
+``strict``
+    True: a leaf that cannot be converted (a dtype the destination lacks, a value that
+    ``torch.load(weights_only=True)`` refuses) is an error. False: it is skipped and listed
+    in the report. Non-tensor leaves are always skipped for safetensors, which holds
+    tensors only.
+
+Names survive round trips: a safetensors name comes back unchanged (it is one key
+component), DCP's flattened names are rebuilt from its ``planner_data`` (so
+``{"model": {"layer.weight": t}}`` is ``model/layer.weight`` in zarrckpt and
+``model.layer.weight`` in DCP), and dtypes are kept bit for bit (bf16 and fp8 included)
+unless ``dtype`` says otherwise.
+
+Nothing is unpickled except by torch's ``weights_only`` unpickler, and DCP's
+``.metadata`` by an allow-list of exactly the classes DCP writes there
+(:mod:`zarrckpt.interop._dcp` says what and why). safetensors and zarrckpt conversions
+need no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as zdt
+from . import format as fmt
+from ._writer import Writer
+from .errors import CheckpointNotFoundError, UnsupportedValueError
+from .interop import _common as cm
+from .storage import StorageOptions
+
+__all__ = [
+    "FORMATS",
+    "ConversionReport",
+    "Progress",
+    "convert",
+    "detect_format",
+    "from_dcp",
+    "from_safetensors",
+    "from_torch_save",
+    "to_dcp",
+    "to_safetensors",
+    "to_torch_save",
+]
+
+FORMATS = ("zarrckpt", "dcp", "safetensors", "torch_save")
+DEFAULT_MEMORY_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a conversion is: ``bytes_done`` of ``bytes_total`` bytes of array data read,
+    ``leaves_done`` of ``leaves_total`` leaves written; ``key`` the leaf being written."""
+
+    key: str
+    bytes_done: int
+    bytes_total: int
+    leaves_done: int
+    leaves_total: int
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did."""
+
+    source: str
+    destination: str
+    source_format: str
+    destination_format: str
+    leaves: int = 0  # leaves written
+    arrays: int = 0  # of which arrays
+    bytes: int = 0  # array bytes read
+    seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    files: list[str] = field(default_factory=list)  # files written (file formats)
+
+
+@dataclass
+class _Item:
+    leaf: cm.ArrayLeaf | cm.ValueLeaf
+    path: tuple
+    key: str
+    containers: tuple | None
+    dtype: zdt.DType | None = None  # arrays: the dtype written
+    chunk: tuple[int, ...] = ()
+
+
+# ------------------------------------------------------------------ formats
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """``"zarrckpt"``, ``"dcp"``, ``"safetensors"`` or ``"torch_save"`` for a local path (a
+    URL is taken to be zarrckpt); CheckpointNotFoundError if it is none of them."""
+    p = os.fspath(path)
+    if "://" in p and not p.startswith("file://"):
+        return "zarrckpt"
+    p = p.removeprefix("file://")
+    if os.path.isdir(p):
+        names = set(os.listdir(p))
+        if "zarr.json" in names:
+            return "zarrckpt"
+        if ".metadata" in names:
+            return "dcp"
+        if any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+            return "safetensors"
+        raise CheckpointNotFoundError(f"{p} is a directory holding no zarrckpt checkpoint, DCP checkpoint "
+                                      "or safetensors files")
+    if os.path.isfile(p):
+        if p.endswith(".safetensors") or p.endswith(".safetensors.index.json"):
+            return "safetensors"
+        with open(p, "rb") as fh:
+            head = fh.read(8)
+        if head[:4] == b"PK\x03\x04":
+            return "torch_save"
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if 0 < n < 100_000_000:
+            with open(p, "rb") as fh:
+                fh.seek(8)
+                if fh.read(1) == b"{":
+                    return "safetensors"
+        raise CheckpointNotFoundError(f"{p} is neither a torch.save zip file nor a safetensors file")
+    raise CheckpointNotFoundError(f"nothing at {p}")
+
+
+def _open_source(fmt_name: str, src: Any, limit: int, storage: StorageOptions | None, strict: bool) -> Any:
+    piece = _piece_budget(limit)
+    if fmt_name == "zarrckpt":
+        from .interop._zarrckpt import Source
+
+        return Source(src, storage)
+    if fmt_name == "safetensors":
+        from .interop._safetensors import Source
+
+        return Source(src, piece)
+    if fmt_name == "torch_save":
+        from .interop._torch_save import Source
+
+        return Source(src, piece)
+    if fmt_name == "dcp":
+        from .interop._dcp import Source
+
+        return Source(src, piece, strict)
+    raise ValueError(f"unknown format {fmt_name!r}; one of {', '.join(FORMATS)}")
+
+
+def _piece_budget(limit: int) -> int:
+    if not isinstance(limit, int) or limit < (64 << 10):
+        raise ValueError(f"memory_limit must be an int of at least 64 KiB, not {limit!r}")
+    return limit // 8
+
+
+# ------------------------------------------------------------------ sinks
+
+
+class _ZarrSink:
+    name = "zarrckpt"
+
+    def __init__(self, dst: Any, overwrite: bool, limit: int, metadata: dict | None, storage: StorageOptions | None,
+                 compression: Any, pack_bytes: int, inner_chunk_bytes: int) -> None:
+        piece = _piece_budget(limit)
+        self.w = Writer(dst, overwrite=overwrite, metadata=metadata, compression=compression,
+                        inner_chunk_bytes=inner_chunk_bytes, pack_bytes=min(pack_bytes, piece),
+                        pack_limit=max(min(16 << 20, piece), min(pack_bytes, piece)),
+                        max_inflight_bytes=max(limit // 4, 1), storage=storage)
+        self.dst = self.w.url
+
+    def accept(self, item: _Item) -> str | None:
+        if isinstance(item.leaf, cm.ValueLeaf):
+            try:
+                from .tree import encode_tree
+
+                encode_tree({"v": item.leaf.value}, lambda x: False)
+            except UnsupportedValueError as e:
+                return str(e)
+        return None
+
+    def plan(self, items: list[_Item]) -> list[_Item]:
+        return items
+
+    def write(self, item: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> None:
+        leaf = item.leaf
+        if isinstance(leaf, cm.ValueLeaf):
+            self.w.add(item.path, leaf.value, containers=item.containers)
+            return
+        a = self.w.add_array(item.path, leaf.shape, item.dtype, kind=leaf.kind, chunk_shape=item.chunk,
+                             containers=item.containers)
+        for start, data in pieces:
+            a.write(start, data)
+
+    def commit(self) -> list[str]:
+        self.w.commit()
+        return []
+
+    def abandon(self) -> None:
+        self.w.abandon()
+
+
+class _SafetensorsSink:
+    name = "safetensors"
+
+    def __init__(self, dst: Any, overwrite: bool, max_shard_size: Any, prefix: str,
+                 metadata: dict[str, str] | None) -> None:
+        from .interop import _safetensors as st
+
+        self.st = st
+        self.dst = os.path.abspath(os.fspath(dst))
+        self.single = self.dst.endswith(".safetensors")
+        self.max = None if self.single else st.parse_size(max_shard_size)
+        self.prefix = prefix
+        self.metadata = metadata
+        self.old = st.check_destination(self.dst, prefix, overwrite, self.single)
+        self.names: dict[str, str] = {}
+        self.writers: list[Any] = []
+        self.files: list[str] = []
+
+    def accept(self, item: _Item) -> str | None:
+        leaf = item.leaf
+        if isinstance(leaf, cm.ValueLeaf):
+            return "not a tensor (safetensors holds tensors only)"
+        if leaf.kind in ("bytes", "bytesio"):
+            return f"a {leaf.kind} leaf, not a tensor (safetensors holds tensors only)"
+        if item.dtype.zarr not in self.st.FROM_ZARR:
+            return f"dtype {item.dtype.zarr} has no safetensors dtype (cast it with dtype=)"
+        return None
+
+    @staticmethod
+    def is_expected_skip(item: _Item) -> bool:
+        return isinstance(item.leaf, cm.ValueLeaf) or item.leaf.kind in ("bytes", "bytesio")
+
+    def plan(self, items: list[_Item]) -> list[_Item]:
+        st = self.st
+        planned = []
+        for it in items:
+            name = cm.dotted(it.path)
+            if name in self.names:
+                raise UnsupportedValueError(f"keys {self.names[name]!r} and {it.key!r} both have the safetensors "
+                                            f"name {name!r}; rename one with keys=")
+            self.names[name] = it.key
+            planned.append(st.Planned(name, it.dtype, it.leaf.shape, it))
+        shards = [st.order(s) for s in st.shard(st.order(planned), self.max)]
+        if self.single:
+            paths = [self.dst]
+        else:
+            os.makedirs(self.dst, exist_ok=True)
+            paths = [os.path.join(self.dst, n) for n in st.shard_names(self.prefix, len(shards))]
+        meta = dict(self.metadata) if self.metadata is not None else {"format": "pt"}
+        self.shards = list(zip(paths, shards))
+        self.weight_map = {p.name: os.path.basename(path) for path, s in self.shards for p in s}
+        self.total = sum(p.nbytes for p in planned)
+        self.meta = meta
+        self._queue = [(path, s) for path, s in self.shards]
+        self._current = None
+        self._left: list = []
+        return [p.item for _, s in self.shards for p in s]
+
+    def write(self, item: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> None:
+        if not self._left:
+            if self._current is not None:
+                self._current.finish()
+            path, s = self._queue.pop(0)
+            self._current = self.st.FileWriter(path, s, self.meta)
+            self.writers.append(self._current)
+            self._left = list(s)
+        planned = self._left.pop(0)
+        assert planned.item is item
+        for _, data in pieces:
+            self._current.write(data)
+
+    def commit(self) -> list[str]:
+        import json
+
+        st = self.st
+        for path, s in self._queue:  # files with no tensor: only when nothing was selected
+            w = st.FileWriter(path, s, self.meta)
+            self.writers.append(w)
+        self._queue = []
+        for w in self.writers:
+            if w.fh.closed is False:
+                w.finish()
+        finals = {w.final for w in self.writers}
+        for old in self.old:
+            if old not in finals and os.path.exists(old):
+                os.remove(old)
+        for w in self.writers:
+            os.replace(w.tmp, w.final)
+        self.files = [w.final for w in self.writers]
+        if not self.single and len(self.writers) > 1:
+            index = os.path.join(self.dst, f"{self.prefix}{st.INDEX_SUFFIX}")
+            tmp = index + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))},
+                          fh, indent=2, ensure_ascii=False)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, index)
+            self.files.append(index)
+        return self.files
+
+    def abandon(self) -> None:
+        for w in self.writers:
+            w.discard()
+
+
+class _TorchSaveSink:
+    name = "torch_save"
+
+    def __init__(self, dst: Any, overwrite: bool) -> None:
+        from .interop._torch_save import Sink
+
+        self.s = Sink(dst, overwrite)
+        self.dst = self.s.dst
+
+    def accept(self, item: _Item) -> str | None:
+        if isinstance(item.leaf, cm.ArrayLeaf) and item.leaf.kind in ("tensor", "ndarray"):
+            try:
+                zdt.torch_dtype(item.dtype)
+            except UnsupportedValueError as e:
+                return str(e)
+        return None
+
+    def plan(self, items: list[_Item]) -> list[_Item]:
+        from .interop._torch_save import tensor_spec
+
+        entries = []
+        self.arrays = []
+        for it in items:
+            leaf = it.leaf
+            if isinstance(leaf, cm.ValueLeaf):
+                entries.append((it, it.path, it.containers, leaf.value))
+            elif leaf.kind in ("bytes", "bytesio"):  # bytes objects, read now (small: RNG states, blobs)
+                data = leaf.read(((0, leaf.shape[0]),)) if leaf.shape[0] else np.empty(0, np.uint8)
+                entries.append((it, it.path, it.containers, data.tobytes()))
+            else:
+                entries.append((it, it.path, it.containers, tensor_spec(leaf.shape, it.dtype)))
+                self.arrays.append(it)
+        self.s.begin(entries)
+        return self.arrays
+
+    def write(self, item: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> None:
+        self.s.write_array(item, pieces)
+
+    def commit(self) -> list[str]:
+        self.s.commit()
+        return [self.s.dst]
+
+    def abandon(self) -> None:
+        self.s.abandon()
+
+
+class _DCPSink:
+    name = "dcp"
+
+    def __init__(self, dst: Any, overwrite: bool) -> None:
+        from .interop._dcp import Sink
+
+        self.s = Sink(dst, overwrite)
+        self.dst = self.s.dir
+
+    accept = _TorchSaveSink.accept
+
+    def plan(self, items: list[_Item]) -> list[_Item]:
+        return items
+
+    def write(self, item: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> None:
+        leaf = item.leaf
+        if isinstance(leaf, cm.ValueLeaf):
+            self.s.write_bytes(item.path, item.containers, None, leaf.value)
+        elif leaf.kind in ("bytes", "bytesio"):
+            data = b"".join(d.tobytes() for _, d in pieces)
+            if leaf.kind == "bytesio":
+                self.s.write_bytes(item.path, item.containers, data)
+            else:
+                self.s.write_bytes(item.path, item.containers, None, data)
+        else:
+            self.s.write_array(item.path, item.containers, leaf.shape, item.dtype, pieces)
+
+    def commit(self) -> list[str]:
+        from .interop._dcp import DATA_FILE, METADATA
+
+        self.s.commit()
+        return [os.path.join(self.dst, DATA_FILE), os.path.join(self.dst, METADATA)]
+
+    def abandon(self) -> None:
+        self.s.abandon()
+
+
+# ------------------------------------------------------------------ the conversion
+
+
+def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *, keys: cm.KeysArg, dtype: Any,
+         progress: Callable[[Progress], None] | None, memory_limit: int, strict: bool,
+         storage: StorageOptions | None) -> ConversionReport:
+    t0 = time.perf_counter()
+    select = cm.key_selector(keys)
+    to_dtype = cm.dtype_caster(dtype)
+    piece = _piece_budget(memory_limit)
+    source = _open_source(src_format, src, memory_limit, storage, strict)
+    sink = None
+    try:
+        report = ConversionReport(str(src), str(dst), src_format, "")
+        items: list[_Item] = []
+        for leaf in source.leaves():
+            try:
+                key = cm.key_of(leaf.path)
+            except UnsupportedValueError as e:
+                key = repr(leaf.path)
+                leaf = cm.Skipped(leaf.path, str(e))
+            new = select(key)
+            if new is None:
+                continue
+            if isinstance(leaf, cm.Skipped):
+                _skip(report, key, leaf.reason, strict)
+                continue
+            path, containers = (leaf.path, leaf.containers) if new == key else (cm.path_of_key(new), None)
+            it = _Item(leaf, path, new, containers)
+            if isinstance(leaf, cm.ArrayLeaf):
+                it.dtype = to_dtype(leaf.dtype) if leaf.kind in ("tensor", "ndarray") else leaf.dtype
+                itemsize = max(leaf.dtype.numpy.itemsize, it.dtype.numpy.itemsize)
+                it.chunk = cm.piece_shape(leaf.shape, itemsize, piece)
+            items.append(it)
+        sink = make_sink(source)
+        report.destination = str(sink.dst)
+        report.destination_format = sink.name
+        kept = []
+        for it in items:
+            why = sink.accept(it)
+            if why is None:
+                kept.append(it)
+            else:
+                expected = getattr(sink, "is_expected_skip", lambda _: False)(it)
+                _skip(report, it.key, why, strict and not expected)
+        ordered = sink.plan(kept)
+        total = sum(it.leaf.nbytes for it in ordered if isinstance(it.leaf, cm.ArrayLeaf))
+        done = [0, 0]
+
+        def tick(key: str) -> None:
+            if progress is not None:
+                progress(Progress(key, done[0], total, done[1], len(ordered)))
+
+        for it in ordered:
+            sink.write(it, _pieces(it, done, tick))
+            done[1] += 1
+            report.leaves += 1
+            report.arrays += isinstance(it.leaf, cm.ArrayLeaf)
+            tick(it.key)
+        report.files = sink.commit()
+        report.bytes = done[0]
+    except BaseException:
+        if sink is not None:
+            sink.abandon()
+        raise
+    finally:
+        source.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _pieces(it: _Item, done: list[int], tick: Callable[[str], None]) -> Iterator[tuple[tuple, np.ndarray]]:
+    if not isinstance(it.leaf, cm.ArrayLeaf):
+        return
+    for start, box in cm.piece_boxes(it.leaf.shape, it.chunk):
+        data = it.leaf.read(box)
+        done[0] += data.nbytes
+        if it.dtype is not None and it.dtype != it.leaf.dtype:
+            data = cm.cast(data, it.dtype)
+        yield start, data
+        tick(it.key)
+
+
+def _skip(report: ConversionReport, key: str, why: str, strict: bool) -> None:
+    if strict:
+        raise UnsupportedValueError(f"cannot convert {key!r}: {why} (pass strict=False to skip it, or leave it "
+                                    "out with keys=)")
+    report.skipped.append((key, why))
+
+
+def _zarr_sink(dst: Any, overwrite: bool, memory_limit: int, metadata: dict | None, storage: StorageOptions | None,
+               compression: Any, pack_bytes: int, inner_chunk_bytes: int, src_format: str):
+    def make(source: Any) -> _ZarrSink:
+        meta: dict[str, Any] = {"converted_from": src_format}
+        st_meta = getattr(source, "metadata", None)
+        if src_format == "safetensors" and st_meta:
+            meta["safetensors_metadata"] = dict(st_meta)
+        meta.update(metadata or {})
+        return _ZarrSink(dst, overwrite, memory_limit, meta, storage, compression, pack_bytes, inner_chunk_bytes)
+
+    return make
+
+
+# ------------------------------------------------------------------ public functions
+
+
+def from_safetensors(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
+                     progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                     overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
+                     compression: Any = None, pack_bytes: int = 64 << 10,
+                     inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
+                     storage: StorageOptions | None = None) -> ConversionReport:
+    """A safetensors file, a sharded checkpoint (its ``*.safetensors.index.json``), or a
+    directory holding either -> a zarrckpt checkpoint at ``dst`` (path or URL). Each tensor
+    name becomes one key (``model.layers.0.weight``); the files' ``__metadata__`` is kept
+    in the root metadata (``safetensors_metadata``). ``pack_bytes``/``compression``/
+    ``inner_chunk_bytes``: as :func:`zarrckpt.save`. No torch needed."""
+    return _run(src, dst, "safetensors",
+                _zarr_sink(dst, overwrite, memory_limit, metadata, storage, compression, pack_bytes,
+                           inner_chunk_bytes, "safetensors"),
+                keys=keys, dtype=dtype, progress=progress, memory_limit=memory_limit, strict=strict, storage=None)
+
+
+def to_safetensors(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None, dtype: Any = None,
+                   progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                   overwrite: bool = False, strict: bool = True, max_shard_size: int | str | None = "5GB",
+                   prefix: str = "model", metadata: dict[str, str] | None = None,
+                   storage: StorageOptions | None = None) -> ConversionReport:
+    """A zarrckpt checkpoint -> Hugging Face safetensors.
+
+    ``dst`` ending in ``.safetensors``: one file. Otherwise a folder: ``<prefix>.safetensors``
+    when the tensors fit in ``max_shard_size`` bytes (``"5GB"`` as transformers, ``"500MB"``,
+    ``"2GiB"``, an int; None: never shard), else ``<prefix>-00001-of-0000N.safetensors`` ...
+    and ``<prefix>.safetensors.index.json``. Other files of the folder (``config.json``)
+    are kept; with ``overwrite`` an earlier export with the same prefix is replaced.
+    A key's safetensors name is its path joined with ``.`` (``model/layers/0/w`` ->
+    ``model.layers.0.w``; a one-component key is its own name). Non-tensor leaves are
+    skipped (listed in the report). ``metadata``: the files' ``__metadata__`` (default
+    ``{"format": "pt"}``, or what :func:`from_safetensors` kept)."""
+    def make(source: Any) -> _SafetensorsSink:
+        meta = metadata
+        kept = getattr(source, "metadata", None)
+        if meta is None and isinstance(kept, dict) and isinstance(kept.get("safetensors_metadata"), dict):
+            meta = kept["safetensors_metadata"]
+        return _SafetensorsSink(dst, overwrite, max_shard_size, prefix, meta)
+
+    return _run(src, dst, "zarrckpt", make, keys=keys, dtype=dtype, progress=progress,
+                memory_limit=memory_limit, strict=strict, storage=storage)
+
+
+def from_torch_save(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
+                    progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                    overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
+                    compression: Any = None, pack_bytes: int = 64 << 10,
+                    inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
+                    storage: StorageOptions | None = None) -> ConversionReport:
+    """A ``torch.save`` file (zip format) -> zarrckpt. Loaded with
+    ``torch.load(weights_only=True, map_location="meta")`` only (no data read up front);
+    tensors are streamed from the file. Nested dicts, lists and tuples keep their shape
+    (``{"model": {"w": t}}`` -> key ``model/w``); a file holding one tensor or value has
+    the key ``value``."""
+    return _run(src, dst, "torch_save",
+                _zarr_sink(dst, overwrite, memory_limit, metadata, storage, compression, pack_bytes,
+                           inner_chunk_bytes, "torch_save"),
+                keys=keys, dtype=dtype, progress=progress, memory_limit=memory_limit, strict=strict, storage=None)
+
+
+def to_torch_save(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None, dtype: Any = None,
+                  progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                  overwrite: bool = False, strict: bool = True,
+                  storage: StorageOptions | None = None) -> ConversionReport:
+    """A zarrckpt checkpoint -> one ``torch.save`` file that ``torch.load(weights_only=True)``
+    reads: the nested state dict with CPU tensors (NumPy-array leaves become tensors,
+    bytes leaves ``bytes``). Written with bounded memory (tensor data are streamed into a
+    file laid out by torch.save itself)."""
+    return _run(src, dst, "zarrckpt", lambda source: _TorchSaveSink(dst, overwrite), keys=keys, dtype=dtype,
+                progress=progress, memory_limit=memory_limit, strict=strict, storage=storage)
+
+
+def from_dcp(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
+             progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+             overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
+             compression: Any = None, pack_bytes: int = 64 << 10,
+             inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
+             storage: StorageOptions | None = None) -> ConversionReport:
+    """A DCP checkpoint directory (``FileSystemWriter``, any number of ranks) -> zarrckpt.
+    Sharded tensors are assembled piece by piece from their chunks. See
+    :mod:`zarrckpt.interop._dcp` for exactly what is unpickled and how."""
+    return _run(src, dst, "dcp",
+                _zarr_sink(dst, overwrite, memory_limit, metadata, storage, compression, pack_bytes,
+                           inner_chunk_bytes, "dcp"),
+                keys=keys, dtype=dtype, progress=progress, memory_limit=memory_limit, strict=strict, storage=None)
+
+
+def to_dcp(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None, dtype: Any = None,
+           progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+           overwrite: bool = False, strict: bool = True, storage: StorageOptions | None = None) -> ConversionReport:
+    """A zarrckpt checkpoint -> a DCP directory as ``dcp.save`` writes it from one process
+    (``dcp.load`` and ``dcp_to_torch_save`` read it). Tensors larger than the piece budget
+    are stored as several chunks, as a sharded tensor's are."""
+    return _run(src, dst, "zarrckpt", lambda source: _DCPSink(dst, overwrite), keys=keys, dtype=dtype,
+                progress=progress, memory_limit=memory_limit, strict=strict, storage=storage)
+
+
+def convert(src: Any, dst: Any, *, from_format: str | None = None, to_format: str | None = None,
+            **options: Any) -> ConversionReport:
+    """Convert between zarrckpt and another format, detecting ``src``'s format
+    (:func:`detect_format`) unless given. One side must be zarrckpt; ``to_format``
+    defaults to zarrckpt when the source is another format, else it is required (or
+    implied by a ``dst`` ending in ``.safetensors``). ``options``: those of the function
+    called (:func:`from_safetensors` ...)."""
+    src_fmt = from_format or detect_format(src)
+    if to_format is None:
+        if src_fmt != "zarrckpt":
+            to_format = "zarrckpt"
+        elif os.fspath(dst).endswith(".safetensors"):
+            to_format = "safetensors"
+        else:
+            raise ValueError("converting from zarrckpt: say to_format= (dcp, safetensors or torch_save)")
+    for name in (src_fmt, to_format):
+        if name not in FORMATS:
+            raise ValueError(f"unknown format {name!r}; one of {', '.join(FORMATS)}")
+    if (src_fmt == "zarrckpt") == (to_format == "zarrckpt"):
+        raise ValueError(f"one side must be zarrckpt (got {src_fmt} -> {to_format})")
+    fn = {"safetensors": (from_safetensors, to_safetensors), "dcp": (from_dcp, to_dcp),
+          "torch_save": (from_torch_save, to_torch_save)}
+    if src_fmt == "zarrckpt":
+        return fn[to_format][1](src, dst, **options)
+    return fn[src_fmt][0](src, dst, **options)
