@@ -9,11 +9,14 @@ The whole public API::
     release_staging()
     load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False)
     load_state_dict(path, keys=None) -> dict of plain CPU tensors
-    open(path) -> Checkpoint          # torch-free reader
+    open(path) -> Checkpoint          # torch-free, lazy, read-only view (LazyArray leaves)
+    open_run(paths_or_manager_dir) -> xarray.Dataset with a step dimension (dask-backed)
+    zarrckpt.jax.load(path, target) / zarrckpt.jax.save(pytree, path)   # JAX in and out
     errors: ZarrckptError and its subclasses (zarrckpt.errors)
 
 torch is imported only when a function that needs it is called, so
-``import zarrckpt`` and ``zarrckpt.open`` work where torch is not installed.
+``import zarrckpt``, ``zarrckpt.open``, ``open_run`` and ``zarrckpt.jax`` work where torch
+is not installed; the torch-only functions then raise ``MissingDependencyError``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
+from ._optional import MissingDependencyError
 from .manager import CheckpointManager
-from .reader import Checkpoint
+from .reader import Checkpoint, CheckpointView, LazyArray
 from .storage import StorageOptions
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
 
@@ -55,6 +59,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointView",
     "ConcurrentSaveError",
     "CorruptChunkError",
     "DTypeMismatchError",
@@ -62,7 +67,9 @@ __all__ = [
     "FormatError",
     "IncompleteCheckpointError",
     "IntegrityError",
+    "LazyArray",
     "LoadFailedError",
+    "MissingDependencyError",
     "MissingKeysError",
     "SaveFailedError",
     "ShapeMismatchError",
@@ -78,6 +85,7 @@ __all__ = [
     "load",
     "load_state_dict",
     "open",
+    "open_run",
     "release_staging",
     "reserve_staging",
     "save",
@@ -202,3 +210,38 @@ def _register_zarr_dtypes() -> None:
 
 
 _register_zarr_dtypes()
+
+
+def open_run(paths_or_dir: Any, *, keys: Any = None, storage: StorageOptions | None = None) -> Any:
+    """A run's checkpoints as one ``xarray.Dataset``: per array leaf, a dask-backed variable
+    with a leading ``step`` dimension (needs xarray and dask, not torch).
+    ``paths_or_dir``: a CheckpointManager root, a list of checkpoint paths/URLs, or one
+    checkpoint; ``keys``: exact keys or prefixes. See :func:`zarrckpt.interop.xarray.open_run`."""
+    from ._optional import require
+
+    require("xarray", "zarrckpt.open_run()")
+    from .interop.xarray import open_run as _open_run
+
+    return _open_run(paths_or_dir, keys=keys, storage=storage)
+
+
+def __getattr__(name: str) -> Any:
+    # `zarrckpt.jax` without `import zarrckpt.jax` (jax itself is imported only then)
+    if name == "jax":
+        import importlib
+
+        return importlib.import_module(".jax", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _torch_only() -> None:
+    # Without torch these raise MissingDependencyError naming the call and the extra to
+    # install, instead of a ModuleNotFoundError from inside zarrckpt.
+    from ._optional import needs_torch
+
+    for name in ("save", "async_save", "load", "load_state_dict", "wait_for_saves",
+                 "reserve_staging", "release_staging"):
+        globals()[name] = needs_torch(globals()[name])
+
+
+_torch_only()

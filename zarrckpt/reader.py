@@ -1,11 +1,13 @@
-"""Reading a checkpoint without torch: ``zarrckpt.open(path)``.
+"""Reading a checkpoint without torch: ``zarrckpt.open(path)``, a lazy, read-only view.
 
->>> ckpt = zarrckpt.open("ckpt/step_100")          # doctest: +SKIP
->>> ckpt.keys()[:2]                                 # doctest: +SKIP
-['model/layer.bias', 'model/layer.weight']
->>> ckpt.read("model/layer.weight").dtype           # doctest: +SKIP
-dtype(bfloat16)
->>> ckpt.tensorstore("model/layer.weight")[0:8].read().result()  # lazy slice  # doctest: +SKIP
+>>> ck = zarrckpt.open("ckpt/step_100")              # doctest: +SKIP
+>>> ck                                                # a tree: shapes, dtypes, sizes, layouts  # doctest: +SKIP
+>>> w = ck["model/layer.weight"]                      # a LazyArray: nothing read yet  # doctest: +SKIP
+>>> w.shape, w.dtype, w.chunks, w.placements          # doctest: +SKIP
+>>> w[:128, ::2]                                      # NumPy; reads only the chunks it touches  # doctest: +SKIP
+>>> ck["model"].keys(), ck["step"], ck.step, ck.metrics  # doctest: +SKIP
+>>> ck.read("model/layer.weight")                     # the whole array (ml_dtypes for bf16/fp8)  # doctest: +SKIP
+>>> ck.tensorstore("model/layer.weight")[0:8].read().result()  # doctest: +SKIP
 
 Every document is verified before it is used (spec §6.6): the root against its own
 digest, each array ``zarr.json`` against the digest the root records, and both parsed
@@ -16,6 +18,7 @@ hostile directory cannot hang a reader.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -26,16 +29,229 @@ import numpy as np
 from . import format as fmt
 from . import tree as ztree
 from ._io import wait_all
-from .errors import CheckpointNotFoundError, FormatError
+from ._lazy import LazyArray, describe, format_bytes
+from .errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
 from .storage import Array, Storage, StorageOptions, in_memory_array, storage_error, translate_error
 
-__all__ = ["Checkpoint", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointView", "LazyArray", "open_checkpoint"]
 
 
-class Checkpoint:
-    """A committed checkpoint, opened for reading. Holds no data until asked."""
+class CheckpointView:
+    """A read-only view of a checkpoint's tree, or of the part of it under one key prefix.
+
+    A mapping from leaf keys to leaves: ``keys()`` lists every leaf key under the view,
+    ``/``-joined and escaped (spec §4), relative to its prefix; ``view[key]`` returns
+
+    * a :class:`LazyArray` for a tensor or NumPy array leaf (packed or not): nothing is
+      read until it is indexed or converted;
+    * ``bytes`` for a ``bytes`` or ``io.BytesIO`` leaf, and the value for any other leaf
+      (int, float, str, None, an empty container ...);
+    * a :class:`CheckpointView` of the subtree when ``key`` is a prefix of leaf keys
+      (``ck["model"]``, ``ck["optim/state"]``).
+
+    ``key in view``, ``len(view)`` and iteration are over leaf keys, as ``keys()``.
+    Methods that take a key (``read``, ``tensorstore``, ``array_info`` ...) take it relative
+    to the view too. ``metadata``, ``step`` and ``metrics`` are the checkpoint's.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, prefix: str) -> None:
+        self._ck = checkpoint
+        self.prefix = prefix
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The whole checkpoint this view belongs to."""
+        return self._ck
+
+    def _full(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise TypeError(f"checkpoint keys are '/'-joined strings such as 'model/w', not "
+                            f"{type(key).__name__} {key!r:.60}")
+        key = key.rstrip("/") if len(key) > 1 else key
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1:] if self.prefix else full
+
+    @functools.cached_property
+    def _full_keys(self) -> list[str]:
+        if not self.prefix:
+            return list(self._ck._leaves)
+        p = self.prefix + "/"
+        return [k for k in self._ck._leaves if k.startswith(p)]
+
+    # ---- the mapping ----------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every leaf key under this view (arrays and values), in stored order."""
+        if not self.prefix:
+            return list(self._full_keys)
+        return [self._rel(k) for k in self._full_keys]
+
+    def array_keys(self) -> list[str]:
+        """Keys whose values are arrays (stored as their own array, or packed)."""
+        return [self._rel(k) for k in self._full_keys if self._ck._is_array(k)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._full(key) in self._ck._leaves and (
+            not self.prefix or self._full(key).startswith(self.prefix + "/"))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._full_keys)
+
+    def __getitem__(self, key: str) -> Any:
+        full = self._full(key)
+        ck = self._ck
+        if full in ck._leaves:
+            return ck._leaf(full)
+        if full in ck._groups:
+            return CheckpointView(ck, full)
+        raise KeyError(self._no_key(key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def values(self) -> list[Any]:
+        return [v for _, v in self.items()]
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(key, leaf) pairs, as ``view[key]`` gives them (array metadata read concurrently)."""
+        self._ck._array_infos([k for k in self._full_keys if self._ck._is_array(k)])
+        return [(self._rel(k), self._ck._leaf(k)) for k in self._full_keys]
+
+    def groups(self) -> list[str]:
+        """The keys of the groups directly under this view (each a ``view[group]``)."""
+        out: dict[str, None] = {}
+        for k in self.keys():
+            if "/" in k:
+                out[k.split("/", 1)[0]] = None
+        return list(out)
+
+    def _no_key(self, key: str) -> str:
+        import difflib
+
+        names = self.keys() + [g for g in self._ck._groups if not self.prefix or g.startswith(self.prefix + "/")]
+        near = difflib.get_close_matches(key, [self._rel(n) if n.startswith(self.prefix) else n
+                                               for n in names], n=3)
+        where = f"under {self.prefix!r} of" if self.prefix else "in"
+        hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+        return f"no key {key!r} {where} checkpoint {self._ck.url!r}{hint}"
+
+    # ---- leaves -----------------------------------------------------------------
+
+    def array(self, key: str) -> LazyArray:
+        """The :class:`LazyArray` of any array leaf (``bytes`` leaves included)."""
+        full = self._full(key)
+        if not self._ck._is_array(full):
+            raise KeyError(f"{full!r} is a value, not an array")
+        return LazyArray(self._ck, full)
+
+    def node(self, key: str) -> dict:
+        return self._ck._node(self._full(key))
+
+    def is_array(self, key: str) -> bool:
+        return self._ck._is_array(self._full(key))
+
+    def is_packed(self, key: str) -> bool:
+        return "packed" in self._ck._node(self._full(key))
+
+    def array_info(self, key: str) -> fmt.ArrayInfo:
+        full = self._full(key)
+        return self._ck._array_infos([full])[full]
+
+    def array_infos(self, keys: Iterable[str]) -> dict[str, fmt.ArrayInfo]:
+        """Parsed and verified ``zarr.json`` of many arrays, read concurrently and cached.
+        A packed leaf's info comes from its tree node (its pack is checked when read)."""
+        keys = list(keys)
+        infos = self._ck._array_infos([self._full(k) for k in keys])
+        return {k: infos[self._full(k)] for k in keys}
+
+    def open_array(self, key: str) -> Array:
+        return self._ck._open_array(self._full(key))
+
+    def tensorstore(self, key: str) -> Any:
+        """A TensorStore handle of an array leaf, for lazy slicing.
+
+        An array of its own is opened from storage (nothing is read until sliced). A packed
+        leaf is small (``pack_bytes`` at most): its bytes are read from its pack and returned
+        as an in-memory, read-only TensorStore array of its data type and shape."""
+        return self._ck._tensorstore(self._full(key))
+
+    def read(self, key: str) -> Any:
+        """One leaf: an ndarray (ml_dtypes for bf16/fp8), ``bytes``, or the stored value."""
+        return self._ck._read(self._full(key))
+
+    def to_dict(self, keys: Iterable[str] | None = None,
+                load_array: Callable[[str], Any] | None = None, *, lazy: bool = False) -> dict:
+        """The nested state dict under this view (or the part under ``keys``: exact keys or
+        prefixes). Arrays are read as NumPy arrays; with ``lazy=True`` they are
+        :class:`LazyArray` s instead (nothing is read). ``load_array(full key)`` overrides both."""
+        load = load_array or (self._ck._leaf if lazy else None)
+        if not self.prefix:
+            return self._ck._to_dict(keys, load)
+        full = [self.prefix] if keys is None else [self._full(k) for k in keys]
+        out = self._ck._to_dict(full, load)
+        for comp in self._ck._leaves[self._full_keys[0]][0][:self.prefix.count("/") + 1]:
+            out = out[comp]
+        return out
+
+    def to_xarray(self) -> Any:
+        """An ``xarray.Dataset`` of the array leaves under this view, dask-backed (needs
+        xarray and dask): see :func:`zarrckpt.interop.xarray.to_dataset`."""
+        from .interop.xarray import to_dataset
+
+        return to_dataset(self)
+
+    # ---- the checkpoint's metadata ----------------------------------------------
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The JSON object the save recorded in the root (``save(..., metadata=)``; the
+        CheckpointManager's ``{"step": N, "metrics": {...}}``), or ``{}``."""
+        return dict(self._ck.info.metadata or {})
+
+    @property
+    def step(self) -> int | None:
+        """``metadata["step"]`` when the save recorded it, else the value of a top-level
+        integer leaf ``step`` (``save({"model": ..., "step": 100}, ...)``), else None."""
+        step = (self._ck.info.metadata or {}).get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+        leaf = self._ck._leaves.get("step")
+        if leaf is not None and "json" in leaf[1]:
+            value = leaf[1]["json"]
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """``metadata["metrics"]`` (recorded by ``CheckpointManager.save(metrics=)``), or ``{}``."""
+        metrics = (self._ck.info.metadata or {}).get("metrics")
+        return dict(metrics) if isinstance(metrics, dict) else {}
+
+    def __repr__(self) -> str:
+        return _render(self, f"<zarrckpt.CheckpointView {self.prefix!r} of {self._ck.url!r}: "
+                             f"{_count(self)}>")
+
+
+class Checkpoint(CheckpointView):
+    """A committed checkpoint, opened for reading. Holds no data until asked.
+
+    The root :class:`CheckpointView`: ``ck["model/w"]`` is a :class:`LazyArray`,
+    ``ck["model"]`` a view, ``ck["step"]`` a value; see :class:`CheckpointView`.
+    ``info`` is the parsed root (:class:`zarrckpt.format.RootInfo`), ``storage`` and
+    ``url`` where it is.
+    """
 
     def __init__(self, path: str | os.PathLike, storage_options: StorageOptions | None = None) -> None:
+        super().__init__(self, "")
         self.storage = Storage(path, storage_options)
         self.url = self.storage.url
         _refuse_plain_file(self.storage)
@@ -47,53 +263,68 @@ class Checkpoint:
             key: (kp, node) for kp, key, node in self.info.leaves}
         self._arrays: dict[str, fmt.ArrayInfo] = {}
         self._packs: dict[str, np.ndarray] = {}
+        self._handles: dict[str, Any] = {}
         self._checked_files: set[str] = set()
 
-    # ---- keys ---------------------------------------------------------------
+    @functools.cached_property
+    def _groups(self) -> frozenset[str]:
+        """Every proper prefix of a leaf key (``model``, ``model/layers.0`` ...)."""
+        out = set()
+        for k in self._leaves:
+            parts = k.split("/")
+            out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        return frozenset(out)
 
-    def keys(self) -> list[str]:
-        """Every leaf key (arrays and values), in stored order."""
-        return list(self._leaves)
+    @property
+    def save_id(self) -> str:
+        return self.info.save_id
 
-    def array_keys(self) -> list[str]:
-        """Keys whose values are arrays (stored as their own array, or packed)."""
-        return [k for k, (_, n) in self._leaves.items() if "array" in n or "packed" in n]
+    @property
+    def created(self) -> str:
+        """UTC time the save started (RFC 3339)."""
+        return self.info.created
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._leaves
+    @property
+    def world_size(self) -> int:
+        """How many processes saved it."""
+        return self.info.world_size
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._leaves)
+    def __reduce__(self) -> tuple:
+        # Pickled (dask's multiprocessing/distributed schedulers): reopened by URL, and
+        # refused if another save replaced the checkpoint meanwhile.
+        where = self.storage.local_path or self.url
+        return _reopen, (where, self.storage.options, self.info.save_id)
 
-    def __len__(self) -> int:
-        return len(self._leaves)
+    # ---- keys (full keys from here on) -----------------------------------------
 
-    def node(self, key: str) -> dict:
+    def _node(self, key: str) -> dict:
         try:
             return self._leaves[key][1]
         except KeyError:
-            raise KeyError(f"no key {key!r} in checkpoint {self.url!r}") from None
+            raise KeyError(self._no_key(key)) from None
 
-    def is_array(self, key: str) -> bool:
-        node = self.node(key)
+    def _is_array(self, key: str) -> bool:
+        node = self._node(key)
         return "array" in node or "packed" in node
 
-    def is_packed(self, key: str) -> bool:
-        return "packed" in self.node(key)
+    def _leaf(self, key: str) -> Any:
+        """What ``ck[key]`` returns for a leaf: a LazyArray, bytes, or the value."""
+        node = self._node(key)
+        if "packed" in node:
+            kind = node["packed"].get("kind")
+        elif "array" in node:
+            kind = self._array_infos([key])[key].kind
+        else:
+            return self._read(key)
+        return self._read(key) if kind in fmt.BYTE_KINDS else LazyArray(self, key)
 
     # ---- metadata -----------------------------------------------------------
 
-    def array_info(self, key: str) -> fmt.ArrayInfo:
-        return self.array_infos([key])[key]
-
-    def array_infos(self, keys: Iterable[str]) -> dict[str, fmt.ArrayInfo]:
-        """Parsed and verified ``zarr.json`` of many arrays, read concurrently and cached.
-        A packed leaf's info comes from its tree node (its pack is checked when read)."""
-        keys = list(keys)
+    def _array_infos(self, keys: list[str]) -> dict[str, fmt.ArrayInfo]:
         todo = [k for k in keys if k not in self._arrays]
         futures = []
         for k in todo:
-            node = self.node(k)
+            node = self._node(k)
             if "packed" in node:
                 self._arrays[k] = fmt.parse_packed(node["packed"], k)
                 continue
@@ -149,40 +380,39 @@ class Checkpoint:
 
     # ---- data ---------------------------------------------------------------
 
-    def open_array(self, key: str) -> Array:
-        if self.is_packed(key):
-            raise ValueError(f"{key!r} is packed inside {self.node(key)['packed']['pack']!r}; use read() "
+    def _open_array(self, key: str) -> Array:
+        if "packed" in self._node(key):
+            raise ValueError(f"{key!r} is packed inside {self._node(key)['packed']['pack']!r}; use read() "
                              "or tensorstore()")
-        info = self.array_info(key)
+        info = self._array_infos([key])[key]
         try:
             return Array(self.storage.open_for_read(key, info.metadata).result(), key)
         except Exception as e:  # noqa: BLE001
             raise translate_error(e, key) from e
 
-    def tensorstore(self, key: str) -> Any:
-        """A TensorStore handle of an array leaf, for lazy slicing.
+    def _tensorstore(self, key: str) -> Any:
+        handle = self._handles.get(key)
+        if handle is None:
+            if "packed" in self._node(key):
+                value = self._read(key)
+                if isinstance(value, bytes):
+                    value = np.frombuffer(value, np.uint8)
+                handle = in_memory_array(value)
+            else:
+                handle = self._open_array(key)._ts
+            self._handles[key] = handle
+        return handle
 
-        An array of its own is opened from storage (nothing is read until sliced). A packed
-        leaf is small (``pack_bytes`` at most): its bytes are read from its pack and returned
-        as an in-memory, read-only TensorStore array of its data type and shape."""
-        if self.is_packed(key):
-            value = self.read(key)
-            if isinstance(value, bytes):
-                value = np.frombuffer(value, np.uint8)
-            return in_memory_array(value)
-        return self.open_array(key)._ts
-
-    def read(self, key: str) -> Any:
-        """One leaf: an ndarray (ml_dtypes for bf16/fp8), ``bytes``, or the stored value."""
-        node = self.node(key)
+    def _read(self, key: str) -> Any:
+        node = self._node(key)
         if "packed" in node:
             return self._read_packed(node["packed"], key)
         if "array" not in node:
             return ztree.decode_tree(node, _no_array, key)
-        info = self.array_info(key)
+        info = self._array_infos([key])[key]
         out = np.empty(info.shape, dtype=info.dtype.numpy)
         if out.size:
-            wait_all([(key, self.open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
+            wait_all([(key, self._open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
         return out.tobytes() if info.kind in fmt.BYTE_KINDS else out
 
     def _read_packed(self, desc: dict, key: str) -> Any:
@@ -211,15 +441,13 @@ class Checkpoint:
             return raw.tobytes()
         return raw.copy().view(info.dtype.numpy).reshape(info.shape)
 
-    def to_dict(self, keys: Iterable[str] | None = None,
-                load_array: Callable[[str], Any] | None = None) -> dict:
-        """The nested state dict (or the part under ``keys``: exact keys or prefixes)."""
+    def _to_dict(self, keys: Iterable[str] | None, load_array: Callable[[str], Any] | None) -> dict:
         tree = self.info.tree if keys is None else self._prune(list(keys))
         by_packed = {id(n["packed"]): k for k, (_, n) in self._leaves.items() if "packed" in n}
 
         def leaf(body: Any) -> Any:
             key = by_packed[id(body)] if isinstance(body, dict) else body  # an array node: its key
-            return (load_array or self.read)(key)
+            return (load_array or self._read)(key)
 
         return ztree.decode_tree(tree, leaf)
 
@@ -243,7 +471,69 @@ class Checkpoint:
         return walk(self.info.tree, ())
 
     def __repr__(self) -> str:
-        return f"<zarrckpt.Checkpoint {self.url!r}: {len(self)} keys, saved {self.info.created}>"
+        step = self.step
+        return _render(self, f"<zarrckpt.Checkpoint {self.url!r}"
+                             + (f" step {step}" if step is not None else "")
+                             + f": {_count(self)}, saved {self.info.created} by {self.info.world_size} "
+                             + ("process>" if self.info.world_size == 1 else "processes>"))
+
+
+def _reopen(where: str, options: StorageOptions, save_id: str) -> Checkpoint:
+    ck = Checkpoint(where, options)
+    if ck.info.save_id != save_id:
+        raise CheckpointChangedError(f"checkpoint {ck.url!r} was replaced (save {save_id} -> "
+                                     f"{ck.info.save_id}) since it was opened")
+    return ck
+
+
+# ------------------------------------------------------------------ repr
+
+
+_REPR_LEAVES = 200  # leaves a repr shows (arrays' metadata is read for them)
+
+
+def _count(view: CheckpointView) -> str:
+    n_arrays = sum(view._ck._is_array(k) for k in view._full_keys)
+    n = len(view)
+    return f"{n} key{'s' if n != 1 else ''} ({n_arrays} array{'s' if n_arrays != 1 else ''})"
+
+
+def _render(view: CheckpointView, header: str) -> str:
+    """The header, then the tree: groups as ``name/`` headings, arrays with dtype, shape,
+    size and layout, values as ``name = value``."""
+    ck = view._ck
+    shown = view._full_keys[:_REPR_LEAVES]
+    try:
+        ck._array_infos([k for k in shown if ck._is_array(k)])
+    except Exception as e:  # noqa: BLE001 - a repr never raises
+        return f"{header}\n  (metadata unreadable: {e})"
+    lines = [header]
+    open_groups: list[str] = []
+    for full in shown:
+        parts = view._rel(full).split("/")
+        common = 0
+        while common < min(len(open_groups), len(parts) - 1) and open_groups[common] == parts[common]:
+            common += 1
+        open_groups = open_groups[:common]
+        for g in parts[common:-1]:
+            lines.append("  " * (len(open_groups) + 1) + g + "/")
+            open_groups.append(g)
+        indent = "  " * (len(open_groups) + 1)
+        try:
+            if ck._is_array(full):
+                a = LazyArray(ck, full)
+                if a.kind in fmt.BYTE_KINDS:
+                    lines.append(f"{indent}{parts[-1]}  {a.kind} ({format_bytes(a.nbytes)})")
+                else:
+                    lines.append(f"{indent}{parts[-1]}  {describe(a)}")
+            else:
+                value = repr(ck._read(full))
+                lines.append(f"{indent}{parts[-1]} = {value if len(value) <= 60 else value[:57] + '...'}")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"{indent}{parts[-1]}  (unreadable: {e})")
+    if len(view) > len(shown):
+        lines.append(f"  ... {len(view) - len(shown)} more keys")
+    return "\n".join(lines)
 
 
 def _no_array(key: str) -> Any:  # pragma: no cover - values never hold arrays
@@ -342,6 +632,11 @@ def _not_found_message(storage: Storage) -> str:
     return f"no zarrckpt checkpoint at {url!r} (no zarr.json)"
 
 
-def open_checkpoint(path: str | os.PathLike, **storage_options: Any) -> Checkpoint:
-    """Open a committed checkpoint for reading (no torch needed)."""
-    return Checkpoint(path, StorageOptions(**storage_options) if storage_options else None)
+def open_checkpoint(path: str | os.PathLike, *, storage: StorageOptions | None = None,
+                    **storage_options: Any) -> Checkpoint:
+    """Open a committed checkpoint for reading (no torch needed): a lazy, read-only view.
+    ``storage``, or ``StorageOptions`` fields as keywords (``endpoint=`` ...), say how to
+    reach it."""
+    if storage is not None and storage_options:
+        raise TypeError("pass either storage= or StorageOptions fields as keywords, not both")
+    return Checkpoint(path, storage or (StorageOptions(**storage_options) if storage_options else None))

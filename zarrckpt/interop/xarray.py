@@ -1,0 +1,251 @@
+"""xarray views of a checkpoint and of a whole run, dask-backed (needs xarray and dask).
+
+>>> run = zarrckpt.open_run("ckpt/run1", keys=["model"])     # doctest: +SKIP
+>>> run["model/layers.0.weight"].dims                          # doctest: +SKIP
+('step', 'model/layers.0.weight.0', 'model/layers.0.weight.1')
+>>> norms = run.map(lambda v: np.sqrt((v.astype("float32") ** 2).sum(
+...     [d for d in v.dims if d != "step"]))).compute()        # doctest: +SKIP
+
+Every array leaf (tensors, DTensors, NumPy arrays; packed or not) becomes one variable
+named by its key, with dimensions ``<key>.0``, ``<key>.1`` ... (``dimension_names`` as
+zarrckpt stores them are ``<last key segment>.<d>``, unique within one group, which is
+what ``xarray.open_zarr(path, group=...)`` needs; a dataset of many groups needs the
+whole key). In a run, a leading ``step`` dimension stacks the checkpoints in step order.
+Each variable is a dask array whose chunks are the stored chunks, read through
+TensorStore (CRC-32C checked, missing chunks are errors): a reduction over a run reads
+each chunk of each checkpoint once. ``bytes`` leaves and values are left out.
+
+Coordinates: ``step``; ``path`` (each checkpoint's URL); ``metrics/<name>`` for every
+metric the saves recorded as a number in every checkpoint
+(``CheckpointManager.save(metrics=)``).
+
+The module also registers the ``zarrckpt`` engine for ``xarray.open_dataset`` (entry
+point ``xarray.backends``). A side effect worth having: xarray imports every backend
+when it opens anything, so with zarrckpt installed ``xarray.open_zarr`` reads bfloat16
+and float8 arrays without an explicit ``import zarrckpt``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import format as fmt
+from .._optional import require
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, ShapeMismatchError
+from ..reader import Checkpoint, CheckpointView
+from ..storage import Storage, StorageOptions
+
+try:  # the backend class needs xarray; the functions say what to install when it is missing
+    from xarray.backends import BackendEntrypoint as _BackendBase
+except ImportError:  # pragma: no cover - exercised without xarray
+    _BackendBase = object  # type: ignore[assignment,misc]
+
+__all__ = ["ZarrckptBackendEntrypoint", "find_checkpoints", "open_run", "to_dataset"]
+
+_STEP_DIR = re.compile(r"step_(\d+)")  # CheckpointManager's step directories
+
+
+def _xr(what: str) -> Any:
+    require("dask.array", what)
+    return require("xarray", what)
+
+
+def _selected(view: CheckpointView, keys: Iterable[str] | None) -> list[str]:
+    """Array keys (relative to ``view``) of tensor-like leaves under ``keys`` (exact keys or
+    prefixes; all when None)."""
+    out = []
+    wanted = None if keys is None else [k.rstrip("/") for k in ([keys] if isinstance(keys, str) else keys)]
+    for k in view.array_keys():
+        if wanted is not None and not any(k == w or k.startswith(w + "/") for w in wanted):
+            continue
+        out.append(k)
+    infos = view.array_infos(out)
+    return [k for k in out if infos[k].kind not in fmt.BYTE_KINDS]
+
+
+def _variable_attrs(info: fmt.ArrayInfo, key: str) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"zarrckpt_key": key, "kind": info.kind, "data_type": info.dtype.zarr,
+                             "chunks": list(info.chunk_shape)}
+    if info.placements is not None:
+        from .._lazy import placement_str
+
+        attrs["mesh_shape"] = list(info.mesh_shape or ())
+        attrs["placements"] = [placement_str(p) for p in info.placements]
+    return attrs
+
+
+def to_dataset(view: CheckpointView, *, keys: Iterable[str] | None = None) -> Any:
+    """One checkpoint (or the part under a view) as an ``xarray.Dataset`` of dask arrays,
+    one variable per array leaf under ``keys`` (exact keys or prefixes; default all)."""
+    xr = _xr("to_dataset()")
+    variables = {}
+    for k in _selected(view, keys):
+        a = view.array(k)
+        variables[k] = xr.Variable(tuple(f"{k}.{d}" for d in range(a.ndim)), a.dask(),
+                                   attrs=_variable_attrs(a.info, view._full(k)))
+    ds = xr.Dataset(variables)
+    ds.attrs.update(_dataset_attrs(view.checkpoint))
+    return ds
+
+
+def _dataset_attrs(ck: Checkpoint) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"zarrckpt_url": ck.url, "save_id": ck.save_id, "created": ck.created}
+    if ck.step is not None:
+        attrs["step"] = ck.step
+    return attrs
+
+
+def find_checkpoints(paths_or_dir: Any, *, storage: StorageOptions | None = None) -> list[tuple[int, Checkpoint]]:
+    """``[(step, Checkpoint)]`` in step order, for a list of checkpoint paths/URLs (or open
+    Checkpoints), a CheckpointManager root (its ``step_<N>`` checkpoints; interrupted
+    saves are skipped), or one checkpoint. A checkpoint's step is the one its save
+    recorded (``Checkpoint.step``), else the ``N`` of a ``step_<N>`` directory name, else
+    its position in the list."""
+    if isinstance(paths_or_dir, (str, os.PathLike, Checkpoint)):
+        found = _single_or_run(paths_or_dir, storage)
+    elif isinstance(paths_or_dir, Sequence):
+        found = [(p if isinstance(p, Checkpoint) else Checkpoint(p, storage), _dir_step(p))
+                 for p in paths_or_dir]
+    else:
+        raise TypeError(f"open_run takes a path, a URL or a list of them, not {type(paths_or_dir).__name__}")
+    out = []
+    for i, (ck, dir_step) in enumerate(found):
+        step = ck.step if ck.step is not None else dir_step if dir_step is not None else i
+        out.append((step, ck))
+    steps = [s for s, _ in out]
+    dup = sorted({s for s in steps if steps.count(s) > 1})
+    if dup:
+        raise ValueError(f"several checkpoints have step {dup[0]}: "
+                         + ", ".join(ck.url for s, ck in out if s == dup[0]))
+    return sorted(out, key=lambda sc: sc[0])
+
+
+def _dir_step(p: Any) -> int | None:
+    name = (p.url if isinstance(p, Checkpoint) else os.fspath(p)).rstrip("/").rsplit("/", 1)[-1]
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _single_or_run(where: Any, storage: StorageOptions | None) -> list[tuple[Checkpoint, int | None]]:
+    if isinstance(where, Checkpoint):
+        return [(where, _dir_step(where))]
+    try:
+        return [(Checkpoint(where, storage), _dir_step(where))]
+    except CheckpointNotFoundError:
+        pass  # not a checkpoint itself: a directory of step_<N> checkpoints?
+    root = os.fspath(where).rstrip("/")
+    found = []
+    for name in Storage(root, storage).list_children():
+        m = _STEP_DIR.fullmatch(name)
+        if not m:
+            continue
+        try:
+            found.append((Checkpoint(f"{root}/{name}", storage), int(m.group(1))))
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
+            continue  # a save in flight or interrupted: not part of the run yet
+    if not found:
+        raise CheckpointNotFoundError(f"no checkpoints at {root!r}: neither a zarrckpt checkpoint nor a "
+                                      "directory of committed step_<N> checkpoints (a CheckpointManager root)")
+    return found
+
+
+def open_run(paths_or_dir: Any, *, keys: Iterable[str] | None = None,
+             storage: StorageOptions | None = None) -> Any:
+    """An ``xarray.Dataset`` of a run: for every array leaf, a dask-backed variable with a
+    leading ``step`` dimension over the run's checkpoints (see the module docstring).
+
+    ``paths_or_dir``: a CheckpointManager root, a list of checkpoint paths/URLs, or one
+    checkpoint. ``keys``: exact keys or prefixes to include (default: every array leaf).
+    Without ``keys``, a leaf missing from some checkpoints, or whose shape or dtype changes
+    between them, is left out with a warning; a key asked for by ``keys`` must be in
+    every checkpoint with one shape and dtype."""
+    xr = _xr("zarrckpt.open_run()")
+    import dask.array as da
+
+    run = find_checkpoints(paths_or_dir, storage=storage)
+    steps = [s for s, _ in run]
+    cks = [ck for _, ck in run]
+    per_ck = [_selected(ck, keys) for ck in cks]
+    order = list(dict.fromkeys(k for ks in per_ck for k in ks))
+    present = [set(ks) for ks in per_ck]
+    if keys is not None:
+        for w in [keys] if isinstance(keys, str) else keys:
+            for ck, ks in zip(cks, per_ck):
+                if not any(k == w or k.startswith(w.rstrip("/") + "/") for k in ks):
+                    raise KeyError(f"no array leaf {w!r} (nor under it) in checkpoint {ck.url!r}")
+    skipped: list[str] = []
+    variables = {}
+    for k in order:
+        if not all(k in p for p in present):
+            if keys is not None:
+                missing = [ck.url for ck, p in zip(cks, present) if k not in p]
+                raise KeyError(f"array {k!r} is missing from {len(missing)} checkpoint(s) of the run: "
+                               f"{', '.join(missing[:3])}")
+            skipped.append(f"{k} (not in every checkpoint)")
+            continue
+        arrays = [ck.array(k) for ck in cks]
+        first = arrays[0]
+        odd = [a for a in arrays if a.shape != first.shape or a.dtype != first.dtype]
+        if odd:
+            msg = (f"array {k!r} is {first.data_type}{list(first.shape)} at step {steps[0]} but "
+                   f"{odd[0].data_type}{list(odd[0].shape)} in {odd[0]._ck.url!r}")
+            if keys is not None:
+                raise ShapeMismatchError(msg)
+            skipped.append(msg)
+            continue
+        data = da.stack([a.dask() for a in arrays])
+        variables[k] = xr.Variable(("step", *(f"{k}.{d}" for d in range(first.ndim))), data,
+                                   attrs=_variable_attrs(first.info, k))
+    if skipped:
+        warnings.warn(f"open_run left out {len(skipped)} array(s): " + "; ".join(skipped[:5])
+                      + ("; ..." if len(skipped) > 5 else ""), stacklevel=2)
+    coords: dict[str, Any] = {"step": ("step", np.asarray(steps, dtype=np.int64)),
+                              "path": ("step", [ck.url for ck in cks])}
+    for name in dict.fromkeys(n for ck in cks for n in ck.metrics):
+        values = [ck.metrics.get(name) for ck in cks]
+        coord = f"metrics/{name}"
+        if coord not in variables and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            coords[coord] = ("step", np.asarray(values, dtype=np.float64))
+    return xr.Dataset(variables, coords=coords)
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b'"zarrckpt"' in head
+
+
+class ZarrckptBackendEntrypoint(_BackendBase):  # type: ignore[misc,valid-type]
+    """``xarray.open_dataset(path, engine="zarrckpt", keys=None)``: a checkpoint as
+    :func:`to_dataset` gives it, or a CheckpointManager root as :func:`open_run` does."""
+
+    description = "zarrckpt checkpoints (one checkpoint, or a CheckpointManager run directory)"
+    url = "https://github.com/zarrckpt/zarrckpt"
+    open_dataset_parameters = ("filename_or_obj", "drop_variables", "keys")
+
+    def open_dataset(self, filename_or_obj: Any, *, drop_variables: Any = None,
+                     keys: Iterable[str] | None = None) -> Any:
+        where = os.fspath(filename_or_obj)
+        try:
+            ds = to_dataset(Checkpoint(where), keys=keys)
+        except CheckpointNotFoundError:
+            ds = open_run(where, keys=keys)
+        if drop_variables:
+            ds = ds.drop_vars(drop_variables, errors="ignore")
+        return ds
+
+    def guess_can_open(self, filename_or_obj: Any) -> bool:
+        try:
+            path = os.fspath(filename_or_obj)
+        except TypeError:
+            return False
+        return os.path.isdir(path) and _is_checkpoint_dir(path)
