@@ -183,7 +183,7 @@ def _open_source(fmt_name: str, src: Any, limit: int, storage: StorageOptions | 
 def _piece_budget(limit: int) -> int:
     if not isinstance(limit, int) or limit < (64 << 10):
         raise ValueError(f"memory_limit must be an int of at least 64 KiB, not {limit!r}")
-    return limit // 8
+    return limit // 16
 
 
 # ------------------------------------------------------------------ sinks
@@ -198,7 +198,7 @@ class _ZarrSink:
         self.w = Writer(dst, overwrite=overwrite, metadata=metadata, compression=compression,
                         inner_chunk_bytes=inner_chunk_bytes, pack_bytes=min(pack_bytes, piece),
                         pack_limit=max(min(16 << 20, piece), min(pack_bytes, piece)),
-                        max_inflight_bytes=max(limit // 4, 1), storage=storage)
+                        max_inflight_bytes=max(limit // 16, 1), storage=storage)
         self.dst = self.w.url
 
     def accept(self, item: _Item) -> str | None:
