@@ -403,12 +403,11 @@ class _DCPSink:
         leaf = item.leaf
         if isinstance(leaf, cm.ValueLeaf):
             self.s.write_bytes(item.path, item.containers, None, leaf.value)
-        elif leaf.kind in ("bytes", "bytesio"):
+        elif leaf.kind in ("bytes", "bytesio"):  # torch.saved as DCP does: bytes, or an io.BytesIO
+            import io
+
             data = b"".join(d.tobytes() for _, d in pieces)
-            if leaf.kind == "bytesio":
-                self.s.write_bytes(item.path, item.containers, data)
-            else:
-                self.s.write_bytes(item.path, item.containers, None, data)
+            self.s.write_bytes(item.path, item.containers, None, io.BytesIO(data) if leaf.kind == "bytesio" else data)
         else:
             self.s.write_array(item.path, item.containers, leaf.shape, item.dtype, pieces)
 

@@ -28,18 +28,18 @@ and data files ``__<rank>_<n>.distcp``. Three kinds of bytes in it are pickles:
    does, with ``torch.load(weights_only=True)`` — torch's own restricted unpickler — and
    with ``map_location="meta"`` so that no data is read until a piece is asked for
    (:mod:`._torch_save`).
-3. **Non-tensor values** (``BytesStorageMetadata`` items that are ``torch.save`` zips:
-   DCP pickles every non-tensor leaf, ``step``, ``lr``, a scheduler's state) are loaded with
-   ``torch.load(weights_only=True)``; DCP itself uses ``weights_only=False`` there. A value
-   that torch's restricted unpickler refuses is an error (or skipped, ``strict=False``).
-   A ``BytesStorageMetadata`` item that is not a zip is an ``io.BytesIO`` leaf (DCP stores
-   those raw); DCP records no type, so a BytesIO whose bytes are a ``torch.save`` zip is
-   read as the object it holds.
+3. **Non-tensor values** (``BytesStorageMetadata`` items: DCP applies ``torch.save`` to
+   every non-tensor leaf, ``step``, ``lr``, a scheduler's state, an ``io.BytesIO``) are loaded with
+   ``torch.load(weights_only=True)`` with one global added to torch's allow-list,
+   ``io.BytesIO`` (built from its bytes by its own ``__setstate__``); DCP itself uses
+   ``weights_only=False`` there. A value that torch's restricted unpickler refuses is an
+   error (or skipped, ``strict=False``). An item that is not a zip (older DCP versions
+   wrote ``BytesIO`` leaves raw) is read as an ``io.BytesIO`` leaf.
 
 Writing produces what ``dcp.save`` writes on one process: one ``__0_0.distcp`` with one
 ``torch.save`` item per piece of each tensor (tensors larger than the memory budget
 become several chunks, as a sharded tensor's are), ``BytesIO`` items for bytes and
-``torch.save``d values, and ``.metadata`` pickled from DCP's own dataclasses, written
+values through ``torch.save`` (``BytesIO`` leaves too, as DCP does), and ``.metadata`` pickled from DCP's own dataclasses, written
 last (DCP's commit point) through a temporary file.
 """
 
@@ -58,7 +58,7 @@ import numpy as np
 from .. import dtypes as zdt
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, UnsupportedValueError
 from ._common import ArrayLeaf, Skipped, ValueLeaf
-from ._torch_save import TensorFile, _torch, expand
+from ._torch_save import TensorFile, _torch, expand, refusal
 
 METADATA = ".metadata"
 DATA_FILE = "__0_0.distcp"
@@ -288,10 +288,11 @@ class Source:
             yield in_memory_leaf(path, np.frombuffer(raw, np.uint8), "bytesio", containers)
             return
         try:
-            value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles BytesIO leaves too
+                value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
             yield Skipped(path, f"DCP value {fqn!r} is a pickled object that torch.load(weights_only=True) "
-                                f"refuses ({str(e).strip().splitlines()[0][:200]})")
+                                f"refuses ({refusal(e)})")
             return
         except Exception as e:  # noqa: BLE001
             raise FormatError(f"{file}: the item of {fqn!r} is not a readable torch.save zip: {e}"[:500]) from None

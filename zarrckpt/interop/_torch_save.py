@@ -90,6 +90,14 @@ class View(io.RawIOBase):
         super().close()
 
 
+def check_zip(view: View, where: str) -> None:
+    view.seek(0)
+    if view.read(4) != _ZIP_MAGIC:
+        raise FormatError(f"{where} is not a torch.save zip file (a file saved before torch 1.6 or with "
+                          "_use_new_zipfile_serialization=False is not supported: load and save it again)")
+    view.seek(0)
+
+
 def records(view: View, where: str) -> tuple[dict[int, zipfile.ZipInfo], str]:
     """The zip's records by the offset of their data, and the byte order it was saved in."""
     try:
@@ -114,21 +122,25 @@ def load_meta(view: View, where: str) -> Any:
     """``torch.load`` with ``weights_only=True`` and ``map_location="meta"``: the object,
     with empty tensors whose storages know their record's offset."""
     torch = _torch()
-    view.seek(0)
-    if view.read(4) != _ZIP_MAGIC:
-        raise FormatError(f"{where} is not a torch.save zip file (a file saved before torch 1.6 with "
-                          "_use_new_zipfile_serialization=False is not supported: load and save it again)")
-    view.seek(0)
+    check_zip(view, where)
     try:
         return torch.load(view, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
         raise UnsupportedValueError(
             f"{where} holds objects that torch.load(weights_only=True) refuses; zarrckpt unpickles "
             f"nothing else (load it yourself with weights_only=False if you trust it, and save its "
-            f"tensors): {' '.join(first[:3])[:400]}") from None
+            f"tensors): {refusal(e)}") from None
     except RuntimeError as e:
         raise FormatError(f"{where}: torch.load failed: {str(e)[:400]}") from None
+
+
+def refusal(e: BaseException) -> str:
+    """The line of torch's weights_only error that names what it refused."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if "Unsupported" in ln or "WeightsUnpickler" in ln:
+            return ln[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 class TensorFile:
@@ -139,6 +151,7 @@ class TensorFile:
         self.limit = limit
         self.start = start
         self.view = View(path, start, length)
+        check_zip(self.view, where)
         self.table, order = records(self.view, where)
         if order not in ("little", "big"):
             raise FormatError(f"{where}: unknown byte order {order!r}")
@@ -211,6 +224,8 @@ def expand(path: tuple, containers: tuple, value: Any) -> Iterator[ArrayLeaf | V
             yield in_memory_leaf(p, zdt.to_numpy(v.detach().cpu().contiguous()).copy(), "tensor", c[1:])
         elif isinstance(v, (bytes, bytearray)):
             yield in_memory_leaf(p, np.frombuffer(bytes(v), np.uint8), "bytes", c[1:])
+        elif isinstance(v, io.BytesIO):
+            yield in_memory_leaf(p, np.frombuffer(v.getvalue(), np.uint8), "bytesio", c[1:])
         else:
             yield ValueLeaf(p, v, c[1:])
 
