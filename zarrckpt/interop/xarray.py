@@ -20,9 +20,12 @@ metric the saves recorded as a number in every checkpoint
 (``CheckpointManager.save(metrics=)``).
 
 The module also registers the ``zarrckpt`` engine for ``xarray.open_dataset`` (entry
-point ``xarray.backends``). A side effect worth having: xarray imports every backend
-when it opens anything, so with zarrckpt installed ``xarray.open_zarr`` reads bfloat16
-and float8 arrays without an explicit ``import zarrckpt``.
+point ``xarray.backends``): ``xarray.open_dataset(path)`` with no ``engine`` picks it for a
+checkpoint directory (or a run, with ``engine="zarrckpt"``), without ``import zarrckpt``.
+Loading it imports zarrckpt, which registers the bfloat16/float8 data types with
+zarr-python, so ``xarray.open_zarr`` works from then on. ``open_zarr`` alone (its engine,
+"zarr", is built in, so xarray loads no plugin for it) and zarr-python alone need
+``import zarrckpt`` first: zarr-python 3.1 has no hook that would load the types.
 """
 
 from __future__ import annotations
