@@ -325,3 +325,13 @@ def test_destroy_process_group_with_a_save_in_flight(tmp_path):
         assert any("in flight" in w for w in warned), warned
     sd = zarrckpt.load_state_dict(path)
     assert len(sd) == 30 and all(torch.equal(v, torch.full((16, 16), 4.0)) for v in sd.values())
+
+
+def rank_metrics_differ(rank, world, path):
+    mgr = zarrckpt.CheckpointManager(path)
+    mgr.save(1, {"w": _sharded(world)}, metrics={"loss": 0.5 + rank})  # per-rank losses differ
+    return mgr.metrics(1)
+
+
+def test_manager_metrics_are_rank_0s(tmp_path, clusters):
+    assert clusters(2).run(rank_metrics_differ, str(tmp_path / "run")) == [{"loss": 0.5}] * 2

@@ -101,7 +101,7 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     Stateful objects (``state_dict()``/``load_state_dict()``), ``io.BytesIO``, and
     ShardedTensors with a ChunkShardingSpec. Returns this rank's report (bytes written,
     seconds per phase). ``metadata``: a JSON object stored in the root ``zarr.json``
-    (``Checkpoint.metadata``; the CheckpointManager records the step and metrics there).
+    (rank 0's; the CheckpointManager records the step and metrics there).
     Options: see ``zarrckpt._save.SaveOptions``.
 
     On a local file system the new checkpoint is written next to ``path`` and moved

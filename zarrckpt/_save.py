@@ -191,8 +191,9 @@ class SaveRun:
         where = None  # where the checkpoint goes (not how each rank authenticates)
         if self.location is not None:
             where = {k: v for k, v in self.location.spec.items() if k not in ("aws_credentials", "aws_region")}
-        return json.dumps([where, self.overwrite, asdict(self.options.plan), self.metadata],
-                          sort_keys=True, default=str).encode()
+        # metadata is not here: like non-tensor values it is rank 0's (ranks' metrics differ)
+        return json.dumps([where, self.overwrite, asdict(self.options.plan)], sort_keys=True,
+                          default=str).encode()
 
     def agree(self, error: BaseException | None) -> None:
         """C0: planning succeeded everywhere, ranks agree on path and options; merge trees
@@ -209,7 +210,7 @@ class SaveRun:
             views = self.g.all_gather(must.decode())
             raise SaveFailedError(
                 f"ranks disagree on the path or on options that decide what is stored (every rank "
-                f"must pass the same path, overwrite, metadata, compression, inner_chunk_bytes, "
+                f"must pass the same path, overwrite, compression, inner_chunk_bytes, "
                 f"replica_split_bytes and pack_bytes): "
                 + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"

@@ -128,7 +128,8 @@ class CheckpointManager:
              overwrite: bool = False) -> Any:
         """Save ``state`` as step ``step``. Returns the save's report, or its SaveFuture
         when the manager saves asynchronously. A step that is already committed (or being
-        written) is an error unless ``overwrite``."""
+        written) is an error unless ``overwrite``. ``metrics`` (JSON numbers) are rank 0's,
+        as non-tensor values are; retention's ``keep_best`` ranks steps by them."""
         import zarrckpt
 
         if self._closed:
