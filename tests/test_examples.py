@@ -17,3 +17,9 @@ def test_example_runs(script, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "checkpoint at" in out.stdout
+    for name in PRODUCES.get(script, ()):  # what an example promises besides a checkpoint
+        with open(tmp_path / "ckpt" / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+
+
+PRODUCES = {"analyse_run.py": ["norms.png"]}

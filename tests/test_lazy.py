@@ -266,6 +266,7 @@ def test_repr_is_a_tree(saved):
     assert "    layers.0.weight  bfloat16[37, 24] 1.7 KiB, packed" in lines
     assert any(line.startswith("    big  float32[512, 384] 768.0 KiB, chunks [512, 384] (inner ") for line in lines)
     assert "  step = 7" in lines and "  blob  bytes (5 B)" in lines and "        lr = 0.1" in lines
+    assert "        params = [0, 1]" in lines  # a short list of values on one line
     sub = repr(zarrckpt.open(path)["optim/state"]).splitlines()
     assert sub[0] == f"<zarrckpt.CheckpointView 'optim/state' of {str(path)!r}: 2 keys (2 arrays)>"
     assert sub[1:] == ["  0/", "    step  float32[] 4 B, packed", "    exp_avg  float32[4] 16 B, packed"]

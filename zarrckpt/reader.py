@@ -500,7 +500,7 @@ def _count(view: CheckpointView) -> str:
 
 def _render(view: CheckpointView, header: str) -> str:
     """The header, then the tree: groups as ``name/`` headings, arrays with dtype, shape,
-    size and layout, values as ``name = value``."""
+    size and layout, values as ``name = value`` (short lists of values on one line)."""
     ck = view._ck
     shown = view._full_keys[:_REPR_LEAVES]
     try:
@@ -509,15 +509,28 @@ def _render(view: CheckpointView, header: str) -> str:
         return f"{header}\n  (metadata unreadable: {e})"
     lines = [header]
     open_groups: list[str] = []
-    for full in shown:
+    inline: str | None = None  # a group shown on one line: skip its leaves
+    for i, full in enumerate(shown):
+        if inline is not None and full.startswith(inline + "/"):
+            continue
+        inline = None
         parts = view._rel(full).split("/")
         common = 0
         while common < min(len(open_groups), len(parts) - 1) and open_groups[common] == parts[common]:
             common += 1
         open_groups = open_groups[:common]
         for g in parts[common:-1]:
-            lines.append("  " * (len(open_groups) + 1) + g + "/")
+            group = "/".join(filter(None, [view.prefix, *open_groups, g]))
+            short = _short_list(ck, group, view._full_keys[i:i + 9])
+            indent = "  " * (len(open_groups) + 1)
+            if short is not None:
+                lines.append(f"{indent}{g} = {short}")
+                inline = group
+                break
+            lines.append(f"{indent}{g}/")
             open_groups.append(g)
+        if inline is not None:
+            continue
         indent = "  " * (len(open_groups) + 1)
         try:
             if ck._is_array(full):
@@ -534,6 +547,20 @@ def _render(view: CheckpointView, header: str) -> str:
     if len(view) > len(shown):
         lines.append(f"  ... {len(view) - len(shown)} more keys")
     return "\n".join(lines)
+
+
+def _short_list(ck: Checkpoint, group: str, following: list[str]) -> str | None:
+    """The repr of a group that is a list or tuple of at most 8 values and fits on a line.
+    ``following``: the leaf keys from the group's first on (a group's leaves are
+    consecutive in stored order)."""
+    keys = [k for k in following if k.startswith(group + "/")]
+    if not 0 < len(keys) <= 8 or any(ck._is_array(k) or "/" in k[len(group) + 1:] for k in keys):
+        return None
+    value = CheckpointView(ck, group).to_dict()
+    if not isinstance(value, (list, tuple)):
+        return None
+    text = repr(value)
+    return text if len(text) <= 60 else None
 
 
 def _no_array(key: str) -> Any:  # pragma: no cover - values never hold arrays
