@@ -208,7 +208,8 @@ class Writer:
                   chunk_shape: tuple[int, ...] | None = None, containers: tuple[str, ...] | None = None
                   ) -> ArrayWriter:
         """Declare an array leaf at key path ``path``; write its chunks through the returned
-        :class:`ArrayWriter`. ``chunk_shape`` defaults to the whole array. ``containers``:
+        :class:`ArrayWriter`. ``chunk_shape`` defaults to the whole array (a whole array of
+        at most ``pack_bytes`` is packed). ``containers``:
         the kind (``"dict"``, ``"list"``, ``"tuple"``) of each container on the way, for
         containers this call creates (default ``"dict"``)."""
         if kind not in ("tensor", "ndarray", "bytes", "bytesio"):
@@ -224,12 +225,13 @@ class Writer:
         key = self._insert(path, None, containers)
         fmt.check_shape(shape, dtype.numpy.itemsize, f"array {key!r}")
         nbytes = math.prod(shape) * dtype.numpy.itemsize
-        if kind in _PACKABLE and self.pack_bytes and nbytes <= self.pack_bytes:
+        whole = tuple(max(s, 1) for s in shape)
+        if kind in _PACKABLE and self.pack_bytes and nbytes <= self.pack_bytes and chunk == whole:
             buf, offset = self._pack_slot(nbytes)
             self._nodes[key] = {"packed": {"pack": f"{fmt.PACKS}/{self._num_packs}", "offset": offset,
                                            "nbytes": nbytes, "kind": kind, "data_type": dtype.zarr,
                                            "shape": list(shape)}}
-            a = ArrayWriter(self, key, shape, dtype, tuple(max(s, 1) for s in shape), None, (buf, offset))
+            a = ArrayWriter(self, key, shape, dtype, whole, None, (buf, offset))
             self._pack_members.append(a)
         else:
             doc = self._array_doc(key, shape, dtype, chunk, kind)
