@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import dtypes as zdt
 from .. import tree as ztree
-from ..errors import FormatError, StorageError, UnsupportedValueError
+from ..errors import FormatError, UnsupportedValueError
 from ..storage import storage_error
 
 Box = tuple  # tuple[tuple[int, int], ...]
@@ -364,6 +364,6 @@ def leaf_error(path: tuple, e: BaseException) -> UnsupportedValueError:
     return UnsupportedValueError(f"{key_of(path)!r}: {e}")
 
 
-__all__ = ["ArrayLeaf", "Box", "KeysArg", "Leaf", "RawFile", "Skipped", "StorageError", "StridedReader",
+__all__ = ["ArrayLeaf", "Box", "KeysArg", "Leaf", "RawFile", "Skipped", "StridedReader",
            "ValueLeaf", "as_dtype", "c_strides", "cast", "dotted", "dtype_caster", "in_memory_leaf", "is_float",
            "key_of", "key_selector", "nest", "path_of_key", "piece_boxes", "piece_shape"]

@@ -32,7 +32,7 @@ import numpy as np
 from .. import dtypes as zdt
 from .. import format as fmt
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, UnsupportedValueError
-from ._common import ArrayLeaf, RawFile, Skipped, StridedReader, c_strides
+from ._common import ArrayLeaf, RawFile, StridedReader, c_strides
 
 MAX_HEADER = 100_000_000  # safetensors' limit on N
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -358,12 +358,6 @@ def check_destination(dst: str, prefix: str, overwrite: bool, single_file: bool)
         raise CheckpointExistsError(f"{old[0]} exists; pass overwrite=True to replace "
                                     + ("it" if single_file else f"the {prefix} safetensors files in {dst}"))
     return old
-
-
-def skipped_dtype(path: tuple, dt: zdt.DType) -> Skipped | None:
-    if dt.zarr not in FROM_ZARR:
-        return Skipped(path, f"dtype {dt.zarr} has no safetensors dtype (cast it with dtype=)")
-    return None
 
 
 __all__ = ["FROM_ZARR", "INDEX_SUFFIX", "TO_ZARR", "FileWriter", "Planned", "Source", "check_destination",

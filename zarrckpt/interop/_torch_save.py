@@ -5,7 +5,8 @@ map_location="meta")`` runs torch's own restricted unpickler over the file's
 ``data.pkl`` (tensors, containers and primitive values only; anything else is refused
 by torch) and, because the location is ``meta``, reads no tensor data: each storage
 comes back empty, carrying ``_checkpoint_offset``, the byte offset of its record in the
-zip file (torch >= 2.7 sets it for meta loads). The tensor's elements are then read
+zip file (set by meta loads of the torch versions tested, 2.13; an older torch without it
+gets a FormatError saying so). The tensor's elements are then read
 from that record piece by piece (its size, stride and storage offset say where each
 element is), after checking in the zip directory that the record is stored
 uncompressed and is as long as the storage.
@@ -172,7 +173,8 @@ class TensorFile:
         offset = getattr(st, "_checkpoint_offset", None)
         if offset is None:
             raise FormatError(f"{where}: this torch ({torch.__version__}) does not report where tensor data "
-                              "lie in a torch.save file (meta loads set it from torch 2.7 on); upgrade torch")
+                              "lie in a torch.save file (storage._checkpoint_offset of a meta load); "
+                              "upgrade torch")
         info = self.table.get(offset)
         nbytes = st.nbytes()
         if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
