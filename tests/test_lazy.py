@@ -189,6 +189,22 @@ def test_conversions(saved):
     assert np.asarray(ck["model/ints"], dtype=np.float64).dtype == np.float64
 
 
+@pytest.mark.parametrize("pack_bytes", [0, 1024])
+def test_zero_d_and_empty_arrays(tmp_path, pack_bytes):
+    zarrckpt.save({"e": torch.zeros(0, 5), "s": torch.tensor(3.5), "b": torch.zeros(3, 0, dtype=torch.bfloat16)},
+                  tmp_path / "c", pack_bytes=pack_bytes)
+    ck = zarrckpt.open(tmp_path / "c")
+    e, s, b = ck["e"], ck["s"], ck["b"]
+    assert e[...].shape == (0, 5) and e[:, 2].shape == (0,) and e.dask().compute().shape == (0, 5)
+    assert b[1].shape == (0,) and b.to_torch().shape == (3, 0) and b.to_torch().dtype == torch.bfloat16
+    assert s[()] == 3.5 and s[...].shape == () and s.dask().compute() == 3.5 and s.ndim == 0
+    assert s.to_torch().shape == () and s.to_torch().item() == 3.5
+    with pytest.raises(TypeError, match="0-d"):
+        len(s)
+    with pytest.raises(IndexError, match="too many indices"):
+        s[0]
+
+
 def test_missing_chunk_fails_instead_of_reading_fill_values(tmp_path):
     zarrckpt.save({"w": torch.ones(64, 64)}, tmp_path / "c", pack_bytes=0)
     os.remove(tmp_path / "c" / "w" / "c" / "0" / "0")

@@ -210,7 +210,7 @@ class LazyArray:
         from . import dtypes
 
         data = self.to_numpy()
-        return dtypes.from_numpy(np.ascontiguousarray(data), self.info.dtype)
+        return dtypes.from_numpy(np.require(data, requirements="C"), self.info.dtype)  # 0-d stays 0-d
 
     def __reduce__(self) -> tuple:
         return _lazy_array, (self._ck, self.key)

@@ -67,7 +67,6 @@ from ..errors import (
     StateDictMismatchError,
     UnsupportedPlacementError,
     UnsupportedValueError,
-    ZarrckptError,
 )
 from ..layout import Layout, Replicate, Shard
 from ..layout import slices as _slices
