@@ -363,7 +363,7 @@ def test_not_found_says_what_is_there(tmp_path, layout, expect):
     with pytest.raises(errors.CheckpointNotFoundError, match=expect) as ei:
         zarrckpt.open(path)
     if expect != r"no zarr\.json":
-        assert "zarrckpt convert" in str(ei.value) and "issue 11" in str(ei.value)
+        assert "zarrckpt.convert" in str(ei.value) and "from_" in str(ei.value)
 
 
 @pytest.mark.parametrize("name,expect", [("model.safetensors", "safetensors file"), ("ckpt.pt", "torch.save file"),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from .errors import ZarrckptError
+from .errors import MissingDependencyError
 
 __all__ = ["MissingDependencyError", "needs_torch", "require"]
 
@@ -26,17 +26,6 @@ _EXTRAS = {
     "xarray": ("xarray", "xarray and dask[array]"),
     "matplotlib": ("plot", "matplotlib"),
 }
-
-
-class MissingDependencyError(ZarrckptError, ImportError):
-    """A zarrckpt call needs an optional package that is not installed (or fails to import).
-
-    Also an :class:`ImportError`. ``package`` names the missing module."""
-
-    def __init__(self, message: str, package: str) -> None:
-        super().__init__(message)
-        self.package = package
-        self.name = package
 
 
 def require(module: str, what: str) -> ModuleType:

@@ -24,6 +24,7 @@ Each class also subclasses the builtin a caller would naturally catch, so
     ├── SaveFailedError              (RuntimeError)       some rank failed during a save
     │   └── ConcurrentSaveError                           another save took the path over
     ├── LoadFailedError              (RuntimeError)       another rank's load failed
+    ├── MissingDependencyError       (ImportError)        an optional package (torch, jax...) is absent
     └── DistributedError             (RuntimeError)       a collective failed (a peer died)
 
 When one rank fails, every rank of the group raises an error of the same class,
@@ -47,6 +48,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "LoadFailedError",
+    "MissingDependencyError",
     "MissingKeysError",
     "SaveFailedError",
     "ShapeMismatchError",
@@ -134,6 +136,17 @@ class ConcurrentSaveError(SaveFailedError):
 
 class LoadFailedError(ZarrckptError, RuntimeError):
     """A load failed on another rank of the group (the message names it and its error)."""
+
+
+class MissingDependencyError(ZarrckptError, ImportError):
+    """A zarrckpt call needs an optional package that is not installed (or fails to import).
+
+    Also an :class:`ImportError`. ``package`` names the missing module."""
+
+    def __init__(self, message: str, package: str) -> None:
+        super().__init__(message)
+        self.package = package
+        self.name = package
 
 
 class DistributedError(ZarrckptError, RuntimeError):

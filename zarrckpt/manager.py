@@ -63,6 +63,9 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive int or None, not {v!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        from ._optional import require
+
+        require("torch", "CheckpointManager")
         from ._save import SaveOptions
 
         SaveOptions.from_kwargs(save_options)  # unknown options fail here, not at the first save

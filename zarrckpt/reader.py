@@ -602,7 +602,8 @@ def _require_regular(path: str, what: str, *, missing_ok: bool) -> None:
 
 # ------------------------------------------------------------------ not a checkpoint
 
-_CONVERTER = "a converter is planned (`zarrckpt convert`, issue 11)"
+_CONVERTER = ("convert it with zarrckpt.convert (from_dcp, from_safetensors, from_torch_save); "
+              "a `zarrckpt convert` command is planned")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
