@@ -1,0 +1,132 @@
+"""Reading arrays box by box with bounded memory: what :mod:`zarrckpt.inspect` and
+``verify`` share.
+
+A stored chunk is the unit of reading (an unsharded chunk is decoded whole anyway); a
+shard larger than the budget is read in groups of whole inner chunks. ``parallel`` runs
+a function over many units with a bounded number in flight, so neither memory nor the
+number of pending futures grows with the size of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from .errors import FormatError
+from .storage import Storage, translate_error
+
+__all__ = ["Progress", "ProgressFn", "box_bytes", "boxes", "chunk_grid", "chunk_key", "parallel", "raw_root",
+           "read_box", "units"]
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a long call is: ``bytes_done`` of ``bytes_total`` bytes of array data read,
+    ``done`` of ``total`` units (chunks for verify, leaves for diff and stats); ``key``
+    the leaf last worked on."""
+
+    key: str
+    bytes_done: int
+    bytes_total: int
+    done: int
+    total: int
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def chunk_grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[tuple[int, ...], Box]]:
+    """``(index, box)`` of every chunk of a regular grid, C order; one (``()``) for 0-d,
+    none when a dimension is 0."""
+    if not all(shape):
+        return
+    grid = [-(-s // c) for s, c in zip(shape, chunk)]
+    for index in np.ndindex(*grid):
+        yield index, tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunk, shape))
+
+
+def chunk_key(index: tuple[int, ...]) -> str:
+    return "/".join(["c", *map(str, index)])
+
+
+def units(box: Box, inner: tuple[int, ...] | None, itemsize: int, budget: int) -> list[Box]:
+    """A chunk's box as boxes to read: the whole chunk, or, for a shard larger than
+    ``budget`` bytes, groups of whole inner chunks of at most ``budget`` bytes (at least
+    one inner chunk). An unsharded chunk is decoded whole anyway: it is one unit."""
+    ext = [b - a for a, b in box]
+    if inner is None or math.prod(ext) * itemsize <= budget:
+        return [box]
+    from .interop._common import piece_shape
+
+    counts = [-(-e // n) for e, n in zip(ext, inner)]
+    group = piece_shape(counts, math.prod(inner) * itemsize, budget)
+    shape = [g * n for g, n in zip(group, inner)]
+    return [tuple((a + i * s, min(a + (i + 1) * s, b)) for (a, b), i, s in zip(box, index, shape))
+            for index in np.ndindex(*[-(-e // s) for e, s in zip(ext, shape)])]
+
+
+def boxes(a: fmt.ArrayInfo, budget: int) -> Iterator[Box]:
+    for _, box in chunk_grid(a.shape, a.chunk_shape):
+        yield from units(box, a.inner_chunk_shape, a.dtype.numpy.itemsize, budget)
+
+
+def read_box(handle: Any, box: Box, key: str) -> np.ndarray:
+    """One box of an array (a TensorStore handle), as NumPy; errors name ``key``."""
+    try:
+        return handle[tuple(slice(a, b) for a, b in box)].read().result()
+    except Exception as e:  # noqa: BLE001
+        raise translate_error(e, key) from e
+
+
+def box_bytes(box: Box, itemsize: int) -> int:
+    return math.prod(b - a for a, b in box) * itemsize
+
+
+def parallel(fn: Callable[[Any], Any], items: Iterable[Any], jobs: int) -> Iterator[tuple[Any, Any]]:
+    """``(item, fn(item))`` in completion order, at most ``jobs`` running and ``2 * jobs``
+    submitted at a time (so memory does not grow with the number of items). An error of
+    ``fn`` is raised after the work already submitted has finished."""
+    if jobs == 1:
+        for it in items:
+            yield it, fn(it)
+        return
+    it = iter(items)
+    with cf.ThreadPoolExecutor(jobs, thread_name_prefix="zarrckpt-walk") as pool:
+        running: dict[cf.Future, Any] = {}
+        for x in it:
+            running[pool.submit(fn, x)] = x
+            if len(running) >= 2 * jobs:
+                break
+        while running:
+            done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                x = running.pop(f)
+                yield x, f.result()
+                nxt = next(it, _END)
+                if nxt is not _END:
+                    running[pool.submit(fn, nxt)] = nxt
+
+
+_END = object()
+
+
+def raw_root(storage: Storage) -> dict[str, Any] | None:
+    """The ``zarrckpt`` attributes of the root, parsed leniently (pending roots, damaged
+    ones): None when absent or not JSON."""
+    data, _ = storage.read_bytes("zarr.json")
+    if data is None:
+        return None
+    try:
+        doc = fmt.decode_document(data, f"{storage.url}/zarr.json")
+    except FormatError:
+        return None
+    attrs = (doc.get("attributes") or {}).get(fmt.ATTR) if isinstance(doc.get("attributes"), dict) else None
+    return attrs if isinstance(attrs, dict) else None

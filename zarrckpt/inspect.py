@@ -1,0 +1,680 @@
+"""Looking at checkpoints without torch: ``info``, ``verify``, ``diff``, ``stats``, ``ls``.
+
+The operations of the ``zarrckpt`` command (:mod:`zarrckpt.cli`) as functions, for
+notebooks and scripts (conversions are :mod:`zarrckpt.convert`)::
+
+    import zarrckpt.inspect as zi
+
+    zi.info("ckpt/step_100")                  # CheckpointInfo: state, mesh, each key's shape, dtype, layout
+    zi.verify("ckpt/step_100", jobs=8).ok     # VerifyReport: documents, every chunk present, every CRC-32C
+    zi.diff("a", "b", atol=1e-6).same         # DiffReport: keys, shapes, dtypes, max abs / rel differences
+    zi.stats("ckpt/run1")                     # [CheckpointStats], one per step: norm, mean, std, ...
+    zi.ls("s3://bucket/run1")                 # [Listing]: step, state, size, time of each checkpoint
+
+Each returns dataclasses of plain values; :func:`to_json` turns any of them into JSON
+values (what ``zarrckpt ... --json`` prints). Paths are anything :func:`zarrckpt.open`
+takes (``s3://``, ``gs://``, ``file://``, ``memory://``, plain paths) with
+``storage=StorageOptions(...)``.
+
+**Bounded memory.** Array data are read one stored chunk at a time; a shard (spec §5.5)
+larger than ``max_read_bytes`` is read in groups of its inner chunks. ``jobs`` units are
+read at once (``verify``) or ``jobs`` leaves at once (``diff``, ``stats``), so a call
+holds about ``jobs x max_read_bytes`` of data (``diff`` and ``stats`` convert to float64:
+up to 8x that for 1-byte types), whatever the size of a tensor or checkpoint.
+
+**What verify checks** (spec's reader checklist, then more): the root document (digest,
+strict parsing, committed), every array's ``zarr.json`` against the root's digest, that
+every chunk (shard) object the chunk grid needs is in storage (a missing chunk would read
+as fill values through a generic Zarr reader), and every chunk's data: read through
+TensorStore, which checks each CRC-32C and each shard index and fails on a missing inner
+chunk that overlaps the array (inner chunks wholly in an edge shard's padding may be
+absent, §5.3). Pack arrays (``.packs/<n>``) are checked the same way, and the ranges of
+their packed leaves against their length. Problems are collected, not raised: each names
+the array path, the keys stored there, and the chunk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import fnmatch
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from ._lazy import placement_str
+from ._verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
+from ._walk import Progress, ProgressFn, boxes, parallel, raw_root, read_box
+from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+from .reader import Checkpoint
+from .storage import Storage, StorageOptions
+
+__all__ = [
+    "DEFAULT_JOBS",
+    "DEFAULT_MAX_READ_BYTES",
+    "CheckpointInfo",
+    "CheckpointStats",
+    "DiffReport",
+    "LeafDiff",
+    "LeafInfo",
+    "Listing",
+    "Problem",
+    "Progress",
+    "TensorStats",
+    "VerifyReport",
+    "diff",
+    "info",
+    "key_filter",
+    "ls",
+    "plot_norms",
+    "stats",
+    "to_json",
+    "verify",
+]
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+# ------------------------------------------------------------------ JSON
+
+
+def to_json(obj: Any) -> Any:
+    """Any result of this module as plain JSON values: dataclasses as objects, tuples as
+    lists, non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"``, bytes as
+    ``{"bytes": length}``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for name in getattr(obj, "_json_extra", ()):
+            out[name] = to_json(getattr(obj, name))
+        return out
+    if isinstance(obj, dict):
+        return {str(k): to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, (bytes, bytearray)):
+        return {"bytes": len(obj)}
+    if isinstance(obj, (np.integer, np.bool_)):
+        return obj.item()
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if math.isfinite(f) else ("nan" if f != f else "inf" if f > 0 else "-inf")
+    return obj
+
+
+# ------------------------------------------------------------------ selecting keys
+
+
+def key_filter(patterns: str | Iterable[str] | None) -> Callable[[str], bool]:
+    """Keys to keep: all (None), or those matching one pattern. A pattern with ``*``,
+    ``?`` or ``[`` is a glob over the whole key (``model/*.bias``); any other is a prefix
+    of whole components (``model`` and ``model/`` both select ``model/...``)."""
+    if patterns is None:
+        return lambda k: True
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+
+    def one(p: str) -> Callable[[str], bool]:
+        if any(c in p for c in "*?["):
+            return lambda k: fnmatch.fnmatchcase(k, p)
+        p = p.rstrip("/")
+        return lambda k: not p or k == p or k.startswith(p + "/")
+
+    tests = [one(p) for p in pats]
+    return lambda k: any(t(k) for t in tests)
+
+
+# ------------------------------------------------------------------ opening, the root
+
+
+def _committed_time(ck: Checkpoint) -> str | None:
+    return ck.info.raw["attributes"][fmt.ATTR].get("committed")
+
+
+def _mesh_str(mesh: dict[str, Any] | None) -> str:
+    if not mesh:
+        return ""
+    names = mesh.get("dim_names") or [None] * len(mesh["shape"])
+    return "(" + ", ".join(f"{n}={s}" if n else str(s) for n, s in zip(names, mesh["shape"])) + ")"
+
+
+# ------------------------------------------------------------------ info
+
+
+@dataclass
+class LeafInfo:
+    """One leaf: an array (``kind`` tensor, dtensor, sharded_tensor, ndarray, bytes,
+    bytesio) with its saved layout, or a value (``kind`` ``"value"``, ``value`` set)."""
+
+    key: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    nbytes: int = 0
+    chunks: tuple[int, ...] | None = None
+    inner_chunks: tuple[int, ...] | None = None
+    packed: bool = False
+    mesh: dict[str, Any] | None = None
+    placements: list[str] | None = None
+    value: Any = None
+
+    @property
+    def is_array(self) -> bool:
+        return self.kind != "value"
+
+    def layout(self) -> str:
+        """``packed``, ``chunks [8, 6] (inner [4, 3])``, plus a mesh and placements."""
+        if not self.is_array:
+            return ""
+        if self.packed:
+            return "packed"
+        out = f"chunks {list(self.chunks or ())}" if self.shape else "one chunk"
+        if self.inner_chunks:
+            out += f" (inner {list(self.inner_chunks)})"
+        if self.mesh is not None:
+            out += f", {self.kind} {_mesh_str(self.mesh)} [{', '.join(self.placements or ())}]"
+        elif self.kind not in ("tensor", "bytes"):
+            out += f", {self.kind}"
+        return out
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`info` found: the root's record and every selected leaf, in stored order.
+    A pending checkpoint (an interrupted or running save) has ``state == "pending"``, its
+    root's ``save_id``, ``created`` and ``world_size``, and no leaves."""
+
+    url: str
+    state: str
+    version: str | None = None
+    save_id: str | None = None
+    created: str | None = None
+    committed: str | None = None
+    world_size: int | None = None
+    writer: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    meshes: list[dict[str, Any]] = field(default_factory=list)
+    leaves: list[LeafInfo] = field(default_factory=list)
+
+    _json_extra = ("num_keys", "num_arrays", "nbytes")
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.leaves)
+
+    @property
+    def num_arrays(self) -> int:
+        return sum(leaf.is_array for leaf in self.leaves)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data (decoded, of the selected leaves)."""
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+
+def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
+         storage: StorageOptions | None = None) -> CheckpointInfo:
+    """The checkpoint at ``path``: state, format version, times, world size, meshes, and
+    every leaf (under ``keys``: prefixes or globs, see :func:`key_filter`) with its shape,
+    dtype, bytes and saved layout. Reads the root and every array ``zarr.json``
+    (concurrently), no array data. A pending root is described, not refused."""
+    try:
+        ck = Checkpoint(path, storage)
+    except IncompleteCheckpointError:
+        st = Storage(path, storage)
+        attrs = raw_root(st) or {}
+        return CheckpointInfo(st.url, "pending", version=attrs.get("version"), save_id=attrs.get("save_id"),
+                              created=attrs.get("created"), world_size=attrs.get("world_size"),
+                              writer=dict(attrs.get("writer") or {}), step=_dir_step(st.url))
+    keep = key_filter(keys)
+    selected = [k for k in ck.keys() if keep(k)]
+    infos = ck.array_infos([k for k in selected if ck.is_array(k)])
+    leaves = []
+    meshes: list[dict[str, Any]] = []
+    for k in selected:
+        a = infos.get(k)
+        if a is None:
+            leaves.append(LeafInfo(k, "value", value=ck.read(k)))
+            continue
+        mesh = None
+        if a.mesh_shape is not None:
+            mesh = {"shape": list(a.mesh_shape), "dim_names": list(a.mesh_dim_names) if a.mesh_dim_names else None}
+            if mesh not in meshes:
+                meshes.append(mesh)
+        packed = ck.is_packed(k)
+        leaves.append(LeafInfo(
+            k, a.kind, a.dtype.zarr, a.shape, math.prod(a.shape) * a.dtype.numpy.itemsize,
+            None if packed else a.chunk_shape, a.inner_chunk_shape, packed, mesh,
+            [placement_str(p) for p in a.placements] if a.placements is not None else None))
+    return CheckpointInfo(ck.url, "committed", ck.info.version, ck.save_id, ck.created, _committed_time(ck),
+                          ck.world_size, dict(ck.info.writer), ck.metadata, ck.step, meshes, leaves)
+
+
+# ------------------------------------------------------------------ ls
+
+
+@dataclass
+class Listing:
+    """One checkpoint under a run directory or prefix. ``state``: ``committed``,
+    ``pending`` (a save interrupted or still running) or ``damaged`` (a root that cannot
+    be read; ``error`` says why). ``time``: the commit (else the start) of the save;
+    ``nbytes``: its array data (committed checkpoints)."""
+
+    url: str
+    name: str
+    state: str
+    step: int | None = None
+    time: str | None = None
+    save_id: str | None = None
+    world_size: int | None = None
+    num_arrays: int | None = None
+    nbytes: int | None = None
+    error: str | None = None
+
+
+def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: bool = True,
+       jobs: int = 8) -> list[Listing]:
+    """The checkpoints at ``url``: the checkpoint itself, or every child directory or
+    prefix holding a zarrckpt root (a CheckpointManager's ``step_<N>``, or any name), in
+    step order. Names starting with ``.`` (a save's own directory, spec §7.2) are left
+    out. ``sizes``: also read every array ``zarr.json`` for ``nbytes``. Raises
+    :class:`CheckpointNotFoundError` when there is no checkpoint there at all."""
+    root = os.fspath(url)
+    st = Storage(root, storage)
+    if st.local_path is not None and os.path.isfile(st.local_path.rstrip("/")):
+        raise CheckpointNotFoundError(f"{root!r} is a file, not a checkpoint or a directory of checkpoints")
+    if st.read_bytes("zarr.json")[0] is not None:
+        found = [_listing(root, st.name, storage, sizes)]
+    else:
+        names = [n for n in st.list_children() if not n.startswith(".")]
+        base = root.rstrip("/")
+        with cf.ThreadPoolExecutor(max(1, jobs)) as pool:
+            found = list(pool.map(lambda n: _listing(f"{base}/{n}", n, storage, sizes), names))
+    out = [x for x in found if x is not None]
+    if not out:
+        raise CheckpointNotFoundError(f"no zarrckpt checkpoints at {root!r} (neither a checkpoint nor a "
+                                      "directory or prefix holding any)")
+    return sorted(out, key=lambda x: (x.step is None, x.step if x.step is not None else 0, x.name))
+
+
+def _dir_step(url: str) -> int | None:
+    m = _STEP_DIR.fullmatch(url.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -> Listing | None:
+    st = Storage(url, storage)
+    if st.local_path is not None and not os.path.isdir(st.local_path):
+        return None
+    try:
+        ck = Checkpoint(url, storage)
+    except IncompleteCheckpointError:
+        attrs = raw_root(st) or {}
+        return Listing(url, name, "pending", _dir_step(url), attrs.get("created"), attrs.get("save_id"),
+                       attrs.get("world_size"))
+    except CheckpointNotFoundError:
+        return None  # no root, or a Zarr group that is not a checkpoint
+    except FormatError as e:
+        return Listing(url, name, "damaged", _dir_step(url), error=str(e))
+    step = ck.step if ck.step is not None else _dir_step(url)
+    out = Listing(url, name, "committed", step, _committed_time(ck), ck.save_id, ck.world_size)
+    arrays = ck.array_keys()
+    out.num_arrays = len(arrays)
+    if sizes:
+        try:
+            out.nbytes = sum(math.prod(a.shape) * a.dtype.numpy.itemsize for a in ck.array_infos(arrays).values())
+        except FormatError as e:
+            out.state, out.error = "damaged", str(e)
+    return out
+
+
+# ------------------------------------------------------------------ diff
+
+
+@dataclass
+class LeafDiff:
+    """How one key compares. ``status``: ``identical`` (same dtype, shape and bits; equal
+    values), ``close`` (within ``atol``/``rtol``, when given), ``different``, ``shape``,
+    ``dtype`` (values compared as numbers when shapes agree), ``kind`` (an array in one,
+    a value in the other). ``max_abs`` = max |a - b|, ``max_rel`` = max |a - b| / |b|
+    (inf where b is 0 and a is not), over elements whose bits differ; a NaN against a
+    number counts as an infinite difference, two NaNs as none. ``num_different``:
+    elements whose bits differ (after comparing as numbers when dtypes differ)."""
+
+    key: str
+    status: str
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    numel: int = 0
+    num_different: int = 0
+    num_outside: int = 0  # elements outside the tolerance (when one is given)
+    max_abs: float | None = None
+    max_rel: float | None = None
+    value_a: Any = None  # values (non-array leaves) that differ
+    value_b: Any = None
+
+
+@dataclass
+class DiffReport:
+    """:func:`diff`'s result: ``same`` is True only when both hold the same keys and every
+    leaf is ``identical`` (or ``close``, when a tolerance was given)."""
+
+    a: str
+    b: str
+    atol: float | None
+    rtol: float | None
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    leaves: list[LeafDiff] = field(default_factory=list)
+
+    _json_extra = ("same",)
+
+    @property
+    def same(self) -> bool:
+        ok = ("identical", "close") if self.atol is not None or self.rtol is not None else ("identical",)
+        return not self.only_a and not self.only_b and all(d.status in ok for d in self.leaves)
+
+    @property
+    def differing(self) -> list[LeafDiff]:
+        ok = ("identical", "close") if self.atol is not None or self.rtol is not None else ("identical",)
+        return [d for d in self.leaves if d.status not in ok]
+
+
+def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = None, rtol: float | None = None,
+         keys: str | Iterable[str] | None = None, storage: StorageOptions | None = None,
+         progress: ProgressFn | None = None, jobs: int = DEFAULT_JOBS,
+         max_read_bytes: int = 16 << 20) -> DiffReport:
+    """Compare checkpoint ``a`` with checkpoint ``b``, key by key (under ``keys``): keys
+    only in one, kinds, shapes, dtypes, values, and for arrays the number of differing
+    elements and the largest absolute and relative differences (:class:`LeafDiff`),
+    computed chunk by chunk of ``a`` (see the module docstring). With ``atol`` and/or
+    ``rtol`` (a missing one is 0), arrays whose every element has
+    ``|a - b| <= atol + rtol * |b|`` (NaN matching NaN) are ``close``."""
+    tol = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
+    if tol is not None and (tol[0] < 0 or tol[1] < 0 or not all(map(math.isfinite, tol))):
+        raise ValueError(f"atol and rtol must be finite and >= 0, not {atol!r} and {rtol!r}")
+    ca, cb = Checkpoint(a, storage), Checkpoint(b, storage)
+    keep = key_filter(keys)
+    ka = [k for k in ca.keys() if keep(k)]
+    kb = [k for k in cb.keys() if keep(k)]
+    in_b = set(kb)
+    in_a = set(ka)
+    report = DiffReport(ca.url, cb.url, atol, rtol, [k for k in ka if k not in in_b], [k for k in kb if k not in in_a])
+    common = [k for k in ka if k in in_b]
+    ia = ca.array_infos([k for k in common if ca.is_array(k)])
+    ib = cb.array_infos([k for k in common if cb.is_array(k)])
+    total = sum(_nbytes(ia[k]) for k in common if k in ia and k in ib)
+
+    def one(k: str) -> LeafDiff:
+        if k in ia and k in ib:
+            return _diff_array(ca, cb, k, ia[k], ib[k], tol, max_read_bytes)
+        if k in ia or k in ib:
+            return LeafDiff(k, "kind", ia[k].dtype.zarr if k in ia else None, ib[k].dtype.zarr if k in ib else None)
+        va, vb = ca.read(k), cb.read(k)
+        same = _same_value(va, vb)
+        return LeafDiff(k, "identical" if same else "different", value_a=None if same else va,
+                        value_b=None if same else vb)
+
+    results: dict[str, LeafDiff] = {}
+    done = 0
+    for n, (k, d) in enumerate(parallel(one, common, jobs), 1):
+        results[k] = d
+        done += _nbytes(ia[k]) if k in ia and k in ib else 0
+        if progress is not None:
+            progress(Progress(k, done, total, n, len(common)))
+    report.leaves = [results[k] for k in common]
+    return report
+
+
+def _nbytes(a: fmt.ArrayInfo) -> int:
+    return math.prod(a.shape) * a.dtype.numpy.itemsize
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:
+        return True
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same_value(p, q) for p, q in zip(x, y))
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(_same_value(x[k], y[k]) for k in x)
+    return x == y
+
+
+def _as_number(x: np.ndarray) -> np.ndarray:
+    if x.dtype.kind == "c":
+        return x.astype(np.complex128)
+    return x.astype(np.float64)
+
+
+def _bit_rows(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    return x.reshape(-1).view(np.uint8).reshape(x.size, x.dtype.itemsize)
+
+
+def _diff_array(ca: Checkpoint, cb: Checkpoint, key: str, ia: fmt.ArrayInfo, ib: fmt.ArrayInfo,
+                tol: tuple[float, float] | None, budget: int) -> LeafDiff:
+    d = LeafDiff(key, "identical", ia.dtype.zarr, ib.dtype.zarr, ia.shape, ib.shape, math.prod(ia.shape))
+    if ia.shape != ib.shape:
+        d.status = "shape"
+        return d
+    same_dtype = ia.dtype == ib.dtype
+    ha, hb = ca.tensorstore(key), cb.tensorstore(key)
+    max_abs = max_rel = 0.0
+    for box in boxes(ia, budget):
+        xa, xb = read_box(ha, box, key), read_box(hb, box, key)
+        if same_dtype:
+            ne = (_bit_rows(xa) != _bit_rows(xb)).any(axis=1).reshape(xa.shape)
+            if not ne.any():
+                continue
+            va, vb = _as_number(xa[ne]), _as_number(xb[ne])
+        else:
+            va, vb = _as_number(xa).reshape(-1), _as_number(xb).reshape(-1)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            nan_a, nan_b = np.isnan(va), np.isnan(vb)
+            equal = (va == vb) | (nan_a & nan_b)
+            if not same_dtype:
+                va, vb, nan_a, nan_b = va[~equal], vb[~equal], nan_a[~equal], nan_b[~equal]
+                equal = equal[~equal]
+            dist = np.where(equal, 0.0, np.abs(va - vb))
+            dist[nan_a ^ nan_b] = np.inf
+            mag = np.abs(vb)
+            rel = np.where(dist == 0, 0.0, np.where(mag == 0, np.inf, dist / np.where(mag == 0, 1, mag)))
+        d.num_different += int(dist.size)
+        if dist.size:
+            max_abs = max(max_abs, float(dist.max()))
+            max_rel = max(max_rel, float(rel.max()))
+            if tol is not None:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    d.num_outside += int(np.count_nonzero(~(equal | (dist <= tol[0] + tol[1] * mag))))
+    if d.num_different:
+        d.max_abs, d.max_rel = max_abs, max_rel
+    if not same_dtype:
+        d.status = "dtype"
+    elif d.num_different == 0:
+        d.status = "identical"
+    elif tol is not None and d.num_outside == 0:
+        d.status = "close"
+    else:
+        d.status = "different"
+    return d
+
+
+# ------------------------------------------------------------------ stats
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one array leaf over its finite elements (NaN and Inf are counted
+    apart, as fractions of all elements): ``norm`` (L2), ``mean``, ``std`` (population,
+    ddof 0), ``min``, ``max``; ``zeros``, ``nan``, ``inf`` fractions of all elements.
+    None where there is no finite element. Complex arrays: of the elements' magnitudes."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    norm: float | None = None
+    mean: float | None = None
+    std: float | None = None
+    min: float | None = None
+    max: float | None = None
+    zeros: float | None = None
+    nan: float | None = None
+    inf: float | None = None
+
+
+@dataclass
+class CheckpointStats:
+    """:func:`stats` of one checkpoint: its step (the saved step, else ``step_<N>`` of its
+    name, else None) and one :class:`TensorStats` per array leaf."""
+
+    url: str
+    step: int | None
+    tensors: list[TensorStats] = field(default_factory=list)
+
+
+class _Moments:
+    """Count, mean and sum of squared deviations merged chunk by chunk (Chan et al.), so
+    the result does not depend on how the array is chunked beyond rounding."""
+
+    def __init__(self) -> None:
+        self.total = self.zeros = self.nan = self.inf = self.n = 0
+        self.mean = self.m2 = self.sumsq = 0.0
+        self.lo = math.inf
+        self.hi = -math.inf
+
+    def add(self, x: np.ndarray) -> None:
+        x = np.abs(x.astype(np.complex128)) if x.dtype.kind == "c" else x.astype(np.float64)
+        x = x.reshape(-1)
+        self.total += x.size
+        self.zeros += int(np.count_nonzero(x == 0))
+        nan = np.isnan(x)
+        inf = np.isinf(x)
+        n_nan, n_inf = int(np.count_nonzero(nan)), int(np.count_nonzero(inf))
+        self.nan += n_nan
+        self.inf += n_inf
+        f = x[~(nan | inf)] if n_nan or n_inf else x
+        if not f.size:
+            return
+        m = float(f.mean())
+        with np.errstate(over="ignore"):
+            m2 = float(np.square(f - m).sum())
+            self.sumsq += float(np.dot(f, f))
+        n = self.n + f.size
+        delta = m - self.mean
+        self.m2 += m2 + delta * delta * self.n * f.size / n
+        self.mean += delta * f.size / n
+        self.n = n
+        self.lo = min(self.lo, float(f.min()))
+        self.hi = max(self.hi, float(f.max()))
+
+    def result(self, key: str, a: fmt.ArrayInfo) -> TensorStats:
+        out = TensorStats(key, a.dtype.zarr, a.shape, self.total)
+        if self.total:
+            out.zeros, out.nan, out.inf = self.zeros / self.total, self.nan / self.total, self.inf / self.total
+        if self.n:
+            out.norm, out.mean = math.sqrt(self.sumsq), self.mean
+            out.std, out.min, out.max = math.sqrt(max(self.m2, 0.0) / self.n), self.lo, self.hi
+        return out
+
+
+def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str | Iterable[str] | None = None,
+          storage: StorageOptions | None = None, progress: ProgressFn | None = None, jobs: int = DEFAULT_JOBS,
+          max_read_bytes: int = 16 << 20) -> list[CheckpointStats]:
+    """Statistics of every array leaf (under ``keys``; ``bytes`` leaves left out) of one
+    checkpoint, of a run directory (every committed checkpoint under it, see :func:`ls`),
+    or of a list of checkpoints, computed chunk by chunk: one :class:`CheckpointStats`
+    per checkpoint, in step order."""
+    run = _run(paths, storage)
+    keep = key_filter(keys)
+    work: list[tuple[int, Checkpoint, str, fmt.ArrayInfo]] = []
+    for i, (_, ck) in enumerate(run):
+        ks = [k for k in ck.array_keys() if keep(k)]
+        for k, a in ck.array_infos(ks).items():
+            if a.kind not in fmt.BYTE_KINDS:
+                work.append((i, ck, k, a))
+    total = sum(_nbytes(a) for *_, a in work)
+
+    def one(item: tuple[int, Checkpoint, str, fmt.ArrayInfo]) -> TensorStats:
+        _, ck, k, a = item
+        acc = _Moments()
+        h = ck.tensorstore(k)
+        for box in boxes(a, max_read_bytes):
+            acc.add(read_box(h, box, k))
+        return acc.result(k, a)
+
+    found: dict[tuple[int, str], TensorStats] = {}
+    done = 0
+    for n, (item, s) in enumerate(parallel(one, work, jobs), 1):
+        found[item[0], item[2]] = s
+        done += _nbytes(item[3])
+        if progress is not None:
+            progress(Progress(item[2], done, total, n, len(work)))
+    out = [CheckpointStats(ck.url, step) for step, ck in run]
+    for i, _, k, _ in work:
+        out[i].tensors.append(found[i, k])
+    return out
+
+
+def _run(paths: Any, storage: StorageOptions | None) -> list[tuple[int | None, Checkpoint]]:
+    """``[(step or None, Checkpoint)]``: one checkpoint, a directory or prefix of checkpoints
+    (committed ones; pending ones are left out), or a list of checkpoints; in step order
+    when every step is known, else in the order given."""
+    if isinstance(paths, (str, os.PathLike)):
+        try:
+            cks = [Checkpoint(paths, storage)]
+        except CheckpointNotFoundError:
+            cks = [Checkpoint(x.url, storage) for x in ls(paths, storage=storage, sizes=False)
+                   if x.state == "committed"]
+            if not cks:
+                raise CheckpointNotFoundError(f"no committed checkpoints at {os.fspath(paths)!r}") from None
+    else:
+        cks = [Checkpoint(p, storage) for p in paths]
+    run = [(ck.step if ck.step is not None else _dir_step(ck.url), ck) for ck in cks]
+    if all(step is not None for step, _ in run):
+        run.sort(key=lambda sc: sc[0])
+    return run
+
+
+def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, title: str | None = None) -> str:
+    """A PNG at ``out`` of each tensor's norm across the checkpoints of ``results`` (one
+    line per key, steps on the x axis, log scale when the norms span more than two
+    decades). Needs matplotlib (``pip install 'zarrckpt[plot]'``). Returns the path."""
+    from ._optional import require
+
+    require("matplotlib", "plot_norms()")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [r.step if r.step is not None else i for i, r in enumerate(results)]
+    series: dict[str, list[float]] = {}
+    for i, r in enumerate(results):
+        for t in r.tensors:
+            series.setdefault(t.key, [math.nan] * len(results))[i] = t.norm if t.norm is not None else math.nan
+    fig = Figure(figsize=(9, 5.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for key, ys in series.items():
+        ax.plot(steps, ys, marker="o", markersize=3, linewidth=1.2, label=key)
+    positive = [y for ys in series.values() for y in ys if y == y and y > 0]
+    if positive and max(positive) / min(positive) > 100:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("L2 norm")
+    ax.set_title(title or "norm of each tensor across steps")
+    ax.grid(True, alpha=0.3)
+    if len(series) <= 24:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    path = os.fspath(out)
+    fig.savefig(path, format="png")
+    return path
