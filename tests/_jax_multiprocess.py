@@ -15,7 +15,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorstore as ts  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
@@ -23,9 +22,8 @@ import zarrckpt.jax as zj  # noqa: E402
 
 
 def metric(name: str) -> int:
-    for m in ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/file/{name}"):
-        return int(m["values"][0]["value"])
-    return 0
+    """Bytes read or written so far, through TensorStore or zarrckpt's direct chunk-file path."""
+    return zarrckpt.storage.io_counters()[name]
 
 
 def main() -> None:

@@ -121,12 +121,14 @@ def test_load_streams_cast_targets_through_bounded_buffer(tmp_path):
 
 def test_large_regions_are_read_in_pieces_and_the_arena_is_reused(tmp_path, monkeypatch):
     from zarrckpt.storage import Array
+    from zarrckpt.storage._localfile import LocalArray
 
     w = torch.randn(1024, 1024)  # 4 MiB: sharded with 64 KiB inner chunks
     zarrckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=64 << 10)
     calls = []
-    real = Array.read_into
-    monkeypatch.setattr(Array, "read_into", lambda self, box, out: calls.append(box) or real(self, box, out))
+    for cls in (Array, LocalArray):  # TensorStore's path and the direct chunk-file path
+        monkeypatch.setattr(cls, "read_into", lambda self, box, out, real=cls.read_into:
+                            calls.append(box) or real(self, box, out))
     zarrckpt.release_staging()
     ptrs = set()
     for _ in range(2):

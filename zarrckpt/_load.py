@@ -49,7 +49,7 @@ from .errors import (
 )
 from .layout import Layout, Replicate, slices as _slices
 from .reader import Checkpoint
-from .staging import streaming_arena, sync_devices
+from .staging import streaming_arena
 from .storage import Array, StorageOptions, translate_error
 
 log = logging.getLogger("zarrckpt")
@@ -168,12 +168,15 @@ class LoadRun:
 
     def read(self) -> None:
         t0 = time.perf_counter()
-        self.reads = reads = _Reads(self.ckpt, self.max_staging_bytes, self.max_inflight_bytes)
         todo = []
+        staged = 0  # bytes of targets that go through the staging arena (device, casts)
         for kp, leaf, ck in self.tensors:
             for local, boxes in _target_pieces(leaf, ztree.key_of(kp)):
                 if boxes:
                     todo.append((ck, boxes, local))
+                    if local.device.type != "cpu" or local.dtype != dtypes.torch_dtype(self.infos[ck].dtype):
+                        staged += local.numel() * max(local.element_size(), self.infos[ck].dtype.numpy.itemsize)
+        self.reads = reads = _Reads(self.ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
         try:
             with reads:
                 reads.open({ck for ck, _, _ in todo}, self.infos)
@@ -273,17 +276,25 @@ class _Reads:
     """Region reads of one load: straight into CPU targets of the saved dtype; through a
     bounded (pinned) arena for device targets and casts, batch by batch."""
 
-    def __init__(self, ckpt: Checkpoint, max_staging_bytes: int, max_inflight_bytes: int) -> None:
+    def __init__(self, ckpt: Checkpoint, max_staging_bytes: int, max_inflight_bytes: int,
+                 staged_bytes: int | None = None) -> None:
         self.ckpt = ckpt
         self.arena = None
         self._lease = contextlib.ExitStack()  # the process's streaming arena, while borrowed
-        self.max_staging_bytes = max_staging_bytes
         # a region bigger than this is read as several pieces along inner-chunk boundaries,
         # so that the in-flight bound keeps many reads going whatever the tensor sizes
         self.piece_bytes = max(1 << 20, min(32 << 20, max_inflight_bytes // 8))
+        # the arena: what the staged targets need (two pieces at least), at most the bound;
+        # staged pieces fit in half of it
+        want = max_staging_bytes if staged_bytes is None else max(staged_bytes, 2 * self.piece_bytes)
+        self.max_staging_bytes = min(max_staging_bytes, want + (1 << 16))
+        self.stage_piece_bytes = max(1, min(self.piece_bytes, self.max_staging_bytes // 2 - 128))
         self.arrays: dict[str, Any] = {}
         self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
+        self.halves: list = []  # the arena's two halves (double buffering), once needed
+        self.cur = 0  # the half being read into
+        self.copying: list[list] = [[], []]  # per half: CUDA events of its copies in flight
         self.bytes_needed = 0
         self.bytes_fetched = 0
 
@@ -294,17 +305,15 @@ class _Reads:
                 for k in keys if not self.ckpt.is_packed(k)}
         for k, f in futs.items():
             try:
-                self.arrays[k] = Array(f.result(), k)
+                self.arrays[k] = f.result()
             except Exception as e:  # noqa: BLE001
                 raise translate_error(e, k) from e
 
     def add(self, key: str, info: Any, boxes: list, local: torch.Tensor) -> None:
         saved = dtypes.torch_dtype(info.dtype)
-        if local.device.type == "cpu" and local.dtype == saved:
-            dst = dtypes.to_numpy(local.detach())
-        else:
-            dst = self._staging(tuple(local.shape), saved, local)
+        direct = local.device.type == "cpu" and local.dtype == saved
         if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
+            dst = dtypes.to_numpy(local.detach()) if direct else self._staging(tuple(local.shape), saved, local)
             full = self.ckpt.read(key)
             if isinstance(full, io.BytesIO):
                 full = full.getvalue()
@@ -318,50 +327,79 @@ class _Reads:
             return
         arr = self.arrays[key]
         inner = _read_unit(info)
+        itemsize = info.dtype.numpy.itemsize
+        base = dtypes.to_numpy(local.detach()) if direct else None
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
-            self.bytes_needed += int(np.prod([b - a for a, b in gbox])) * dst.itemsize
-            self.bytes_fetched += _fetched(gbox, inner, info.shape) * dst.itemsize
-            for pg, pl in _pieces(gbox, lbox, inner, dst.itemsize, self.piece_bytes):
-                view = dst[_slices(pl)] if pl else dst
+            self.bytes_needed += int(np.prod([b - a for a, b in gbox])) * itemsize
+            self.bytes_fetched += _fetched(gbox, inner, info.shape) * itemsize
+            for pg, pl in _pieces(gbox, lbox, inner, itemsize,
+                                  self.piece_bytes if direct else self.stage_piece_bytes):
+                if direct:  # straight into the target
+                    view = base[_slices(pl)] if pl else base
+                else:  # piece by piece through the staging arena, then copied (and cast)
+                    sub = local[_slices(pl)] if pl else local
+                    view = self._staging(tuple(sub.shape), saved, sub)
                 self.pending.add(key, arr.read_into(pg, view), view.nbytes)
 
     def _staging(self, shape, dtype, target: torch.Tensor) -> np.ndarray:
+        """A host buffer for ``target``'s data, from the current half of the arena; when it
+        is full, the other half's device copies must have finished (double buffering: one
+        half is read into while the other's host->device copies run)."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         if self.arena is None:
             self.arena = self._lease.enter_context(streaming_arena(self.max_staging_bytes))
-        if nbytes > self.arena.capacity:
+            self.halves = self.arena.split(2)
+        half = self.halves[self.cur]
+        if nbytes > half.capacity:  # a tiny arena: a buffer of its own
             buf = torch.empty(shape, dtype=dtype, pin_memory=self.arena.pinned)
         else:
-            if not self.arena.fits(nbytes):
-                self._flush()
-            buf = self.arena.take(shape, dtype)
+            if not half.fits(nbytes):
+                self._switch()
+                half = self.halves[self.cur]
+            buf = half.take(shape, dtype)
         self.batch.append((target, buf))
         return dtypes.to_numpy(buf)
 
-    def _flush(self) -> None:
+    def _switch(self) -> None:
+        """Wait for the reads into the current half, start its copies to the targets, and
+        make the other half current once its own copies are done."""
         self.pending.wait()
+        events = []
         with torch.no_grad():
             for target, buf in self.batch:
                 target.copy_(buf, non_blocking=True)
-        sync_devices([t for t, _ in self.batch])
-        self.batch.clear()
-        if self.arena is not None:
-            self.arena.reset()
+            for dev in {t.device for t, _ in self.batch if t.device.type == "cuda"}:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                events.append(ev)
+        self.batch = []
+        self.copying[self.cur] = events
+        self.cur ^= 1
+        for ev in self.copying[self.cur]:
+            ev.synchronize()
+        self.copying[self.cur] = []
+        if self.halves:
+            self.halves[self.cur].reset()
 
     def finish(self) -> None:
-        self._flush()
+        self._switch()
+        self._switch()  # both halves copied
 
     def __enter__(self) -> _Reads:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Leaving by an error waits for every read still in flight; the streaming
-        arena goes back to the process either way."""
+        """Leaving by an error waits for every read still in flight (and copies issued);
+        the streaming arena goes back to the process either way."""
         if exc_type is not None:
             self.pending.drain()
+            for events in self.copying:
+                for ev in events:
+                    ev.synchronize()
         self.arena = None
+        self.halves = []
         self._lease.close()
 
 

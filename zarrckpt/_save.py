@@ -407,8 +407,7 @@ class SaveRun:
                         pending.add(p.key, st.write_plain_chunk(p.key, w.index, data), data.nbytes)
                     else:
                         if arr is None:
-                            arr = Array((opened.get(p.key) or st.open_for_write(p.key, p.metadata)).result(),
-                                        p.key)
+                            arr = (opened.get(p.key) or st.open_for_write(p.key, p.metadata)).result()
                         pending.add(p.key, arr.write(w.box, data, stable=True), data.nbytes)
                     self.bytes_written += data.nbytes
             pending.wait()

@@ -349,7 +349,7 @@ class Writer:
         else:
             if a._array is None:
                 try:
-                    a._array = Array(self.store.open_for_write(a.key, doc).result(), a.key)
+                    a._array = self.store.open_for_write(a.key, doc).result()
                 except Exception as e:  # noqa: BLE001
                     from .storage import translate_error
 

@@ -386,7 +386,14 @@ class Checkpoint(CheckpointView):
                              "or tensorstore()")
         info = self._array_infos([key])[key]
         try:
-            return Array(self.storage.open_for_read(key, info.metadata).result(), key)
+            return self.storage.open_for_read(key, info.metadata).result()
+        except Exception as e:  # noqa: BLE001
+            raise translate_error(e, key) from e
+
+    def _open_tensorstore(self, key: str) -> Any:
+        info = self._array_infos([key])[key]
+        try:
+            return self.storage.open_tensorstore(key, info.metadata).result()
         except Exception as e:  # noqa: BLE001
             raise translate_error(e, key) from e
 
@@ -399,7 +406,7 @@ class Checkpoint(CheckpointView):
                     value = np.frombuffer(value, np.uint8)
                 handle = in_memory_array(value)
             else:
-                handle = self._open_array(key)._ts
+                handle = self._open_tensorstore(key)
             self._handles[key] = handle
         return handle
 
@@ -427,7 +434,7 @@ class Checkpoint(CheckpointView):
             pack = np.empty(pinfo.shape, dtype=np.uint8)
             if pack.size:
                 try:
-                    arr = Array(self.storage.open_for_read(path, pinfo.metadata).result(), path)
+                    arr = self.storage.open_for_read(path, pinfo.metadata).result()
                 except Exception as e:  # noqa: BLE001
                     raise translate_error(e, path) from e
                 wait_all([(path, arr.read_into(((0, pinfo.shape[0]),), pack))])

@@ -47,6 +47,16 @@ class Arena:
     def reset(self) -> None:
         self._offset = 0
 
+    def split(self, n: int) -> list[Arena]:
+        """``n`` arenas over disjoint, equal parts of this one's buffer (double buffering)."""
+        size = self.capacity // n // _ALIGN * _ALIGN
+        parts = []
+        for i in range(n):
+            part = Arena.__new__(Arena)
+            part.pinned, part._buf, part._offset = self.pinned, self._buf[i * size:(i + 1) * size], 0
+            parts.append(part)
+        return parts
+
     def fits(self, nbytes: int) -> bool:
         return _aligned(self._offset) + nbytes <= self.capacity
 

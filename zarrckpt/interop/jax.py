@@ -676,7 +676,7 @@ def _write(store: Storage, plans: list[_Plan], max_inflight_bytes: int) -> int:
                         pending.add(p.key, store.write_plain_chunk(p.key, w.index, data), data.nbytes)
                     else:
                         if arr is None:
-                            arr = Array(store.open_for_write(p.key, p.doc).result(), p.key)
+                            arr = store.open_for_write(p.key, p.doc).result()
                         pending.add(p.key, arr.write(w.box, data, stable=True), data.nbytes)
                     written += data.nbytes
             pending.wait()

@@ -23,10 +23,11 @@ from ._tensorstore import (
     Storage,
     StorageOptions,
     in_memory_array,
+    io_counters,
     kvstore_spec,
     storage_error,
     translate_error,
 )
 
-__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "kvstore_spec", "storage_error",
+__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "io_counters", "kvstore_spec", "storage_error",
            "translate_error"]

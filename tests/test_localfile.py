@@ -1,0 +1,244 @@
+"""The direct chunk-file path (zarrckpt/storage/_localfile.py) against TensorStore and
+zarr-python: the same bytes on disk, file for file, and each reads what the others write."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import threading
+
+import crc32c
+import ml_dtypes
+import numpy as np
+import pytest
+import zarr
+
+from zarrckpt import dtypes
+from zarrckpt import format as fmt
+from zarrckpt.errors import CorruptChunkError
+from zarrckpt.storage import Storage, StorageOptions
+from zarrckpt.storage import _localfile
+from zarrckpt.storage._localfile import LocalArray, chunk_codec
+
+DIRECT = StorageOptions(chunk_io="direct")
+TS = StorageOptions(chunk_io="tensorstore")
+
+# (shape, chunk shape, numpy dtype, inner chunk bytes): whole and edge chunks, inner chunks
+# partly and wholly in an edge chunk's padding, 0-d, 1-d, 3-d, bool, bf16, fp8, complex
+CASES = [
+    ((64, 48), (64, 48), np.float32, 1024),
+    ((100, 70), (64, 48), np.float32, 1024),        # edge chunks; inner chunks partly padding
+    ((65, 33), (64, 32), np.float32, 512),          # edge chunk of one row: inner chunks wholly padding
+    ((1000,), (256,), np.float64, 256),
+    ((7, 9, 11), (4, 9, 8), np.int16, 64),
+    ((50, 40), (32, 32), np.bool_, 128),
+    ((96, 64), (48, 64), ml_dtypes.bfloat16, 1024),
+    ((40, 40), (40, 40), ml_dtypes.float8_e4m3fn, 256),
+    ((30, 20), (16, 16), np.complex64, 512),
+    ((), (), np.float32, 1 << 20),                  # 0-d: one plain chunk
+    ((3000,), (1024,), np.uint8, 1 << 20),          # plain (unsharded) chunks with an edge
+]
+
+
+def values(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype) == np.bool_:
+        return rng.random(shape) > 0.5
+    if np.dtype(dtype).kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(0, 100, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def metadata(shape, chunk, dtype, inner_bytes):
+    return fmt.array_metadata(shape=shape, dtype=dtypes.by_numpy(np.dtype(dtype)), chunk_shape=chunk,
+                              attrs={}, dimension_names=[f"d{i}" for i in range(len(shape))],
+                              inner_chunk_bytes=inner_bytes)
+
+
+def chunk_boxes(shape, chunk):
+    grid = [-(-n // c) if c else 1 for n, c in zip(shape, chunk)]
+    for idx in np.ndindex(*grid):
+        yield tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape))
+
+
+def write_all(root, key, md, data, options):
+    st = Storage(str(root), options)
+    st.make_dir()
+    st.put(f"{key}/zarr.json", fmt.encode_document(md)).result()
+    arr = st.open_for_write(key, md).result()
+    futures = [arr.write(box, data[tuple(slice(a, b) for a, b in box)], stable=True)
+               for box in chunk_boxes(data.shape, md["chunk_grid"]["configuration"]["chunk_shape"])]
+    for f in futures:
+        f.result()
+    st.close()
+    return arr
+
+
+def files(root):
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            if n != "zarr.json":
+                out[os.path.relpath(os.path.join(d, n), root)] = os.path.join(d, n)
+    return out
+
+
+@pytest.mark.parametrize("shape,chunk,dtype,inner_bytes", CASES)
+def test_same_bytes_as_tensorstore_and_each_reads_the_other(tmp_path, shape, chunk, dtype, inner_bytes):
+    md = metadata(shape, chunk, dtype, inner_bytes)
+    assert chunk_codec(md) is not None
+    data = values(shape, dtype)
+    a = write_all(tmp_path / "direct", "x", md, data, DIRECT)
+    assert isinstance(a, LocalArray)
+    write_all(tmp_path / "ts", "x", md, data, TS)
+    fa, fb = files(tmp_path / "direct"), files(tmp_path / "ts")
+    assert sorted(fa) == sorted(fb) and fa
+    for k in fa:
+        assert filecmp.cmp(fa[k], fb[k], shallow=False), k
+    # each path reads the other's files, whole and in random regions
+    rng = np.random.default_rng(1)
+    for src in ("direct", "ts"):
+        for opts in (DIRECT, TS):
+            arr = Storage(str(tmp_path / src), opts).open_for_read("x", md).result()
+            out = np.empty(shape, dtype)
+            arr.read_into(tuple((0, n) for n in shape), out).result()
+            assert out.tobytes() == data.tobytes()
+            for _ in range(5):
+                box = tuple(tuple(sorted(rng.integers(0, n + 1, 2))) for n in shape)
+                part = np.zeros([b - a for a, b in box], dtype)
+                arr.read_into(box, part).result()
+                assert part.tobytes() == data[tuple(slice(a, b) for a, b in box)].tobytes()
+    # zarr-python reads the direct path's array
+    if np.dtype(dtype).kind != "V" and dtype not in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        got = zarr.open_array(str(tmp_path / "direct" / "x"), mode="r")[...]
+        assert np.asarray(got).tobytes() == data.tobytes()
+
+
+def test_strided_sources_and_targets(tmp_path):
+    base = values((256, 512), np.float32)
+    data = base.T[::2]  # (256, 256), neither row- nor column-contiguous
+    md = metadata(data.shape, (128, 256), np.float32, 4096)
+    write_all(tmp_path / "d", "x", md, data, DIRECT)
+    got = zarr.open_array(str(tmp_path / "d" / "x"), mode="r")[...]
+    np.testing.assert_array_equal(got, data)
+    arr = Storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
+    big = np.zeros((300, 600), np.float32)
+    view = big[10:266:1, 20:532:2]  # a strided target
+    arr.read_into(((0, 256), (0, 256)), view).result()
+    np.testing.assert_array_equal(view, data)
+    assert not big[:10].any()
+
+
+def test_a_shard_is_written_and_read_by_several_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(_localfile, "PIECE_BYTES", 3 * 1028)  # 3 inner chunks per task
+    data = values((64, 256), np.float32)
+    md = metadata(data.shape, (64, 256), np.float32, 1024)
+    seen = set()
+    orig = LocalArray._write_inner
+
+    def spy(self, *a):
+        seen.add(threading.get_ident())
+        return orig(self, *a)
+    monkeypatch.setattr(LocalArray, "_write_inner", spy)
+    write_all(tmp_path / "d", "x", md, data, DIRECT)
+    write_all(tmp_path / "t", "x", md, data, TS)
+    assert filecmp.cmp(tmp_path / "d/x/c/0/0", tmp_path / "t/x/c/0/0", shallow=False)
+    assert len(seen) > 1
+    arr = Storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
+    assert arr.read().result().tobytes() == data.tobytes()
+
+
+def test_compressed_arrays_go_through_tensorstore(tmp_path):
+    md = fmt.array_metadata(shape=(64, 64), dtype=dtypes.by_numpy(np.dtype(np.float32)), chunk_shape=(64, 64),
+                            attrs={}, dimension_names=["a", "b"], compression=fmt.compression_codec("zstd"),
+                            inner_chunk_bytes=1024)
+    assert chunk_codec(md) is None
+    arr = Storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
+    assert not isinstance(arr, LocalArray)
+
+
+def damaged(tmp_path):
+    data = values((64, 96), np.float32)
+    md = metadata(data.shape, (32, 96), np.float32, 1024)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    return md, data
+
+
+def read_all(tmp_path, md, opts=DIRECT):
+    arr = Storage(str(tmp_path), opts).open_for_read("x", md).result()
+    out = np.empty(md["shape"], np.float32)
+    arr.read_into(tuple((0, n) for n in md["shape"]), out).result()
+    return out
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_flipped_byte_in_an_inner_chunk_names_chunk_and_inner_chunk(tmp_path):
+    md, _ = damaged(tmp_path)
+    flip(tmp_path / "x/c/1/0", 5000)  # inside an inner chunk of the second shard
+    with pytest.raises(CorruptChunkError, match=r"array 'x': chunk c/1/0 inner chunk \[\d+, \d+\] fails its crc32c"):
+        read_all(tmp_path, md)
+    with pytest.raises(ValueError, match="DATA_LOSS.*Digest mismatch"):  # TensorStore agrees
+        read_all(tmp_path, md, TS)
+
+
+def test_damaged_shard_index_missing_and_truncated_chunks(tmp_path):
+    md, data = damaged(tmp_path)
+    size = os.path.getsize(tmp_path / "x/c/0/0")
+    flip(tmp_path / "x/c/0/0", size - 10)
+    with pytest.raises(CorruptChunkError, match="c/0/0: its shard index fails its crc32c"):
+        read_all(tmp_path, md)
+    os.remove(tmp_path / "x/c/0/0")
+    with pytest.raises(CorruptChunkError, match="chunk c/0/0 is missing from storage"):
+        read_all(tmp_path, md)
+    with open(tmp_path / "x/c/1/0", "r+b") as f:
+        f.truncate(100)
+    arr = Storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    with pytest.raises(CorruptChunkError, match="c/1/0 is truncated"):
+        arr.read_into(((32, 64), (0, 96)), np.empty((32, 96), np.float32)).result()
+
+
+def test_index_pointing_outside_the_file_is_refused(tmp_path):
+    md, _ = damaged(tmp_path)
+    path = tmp_path / "x/c/0/0"
+    raw = bytearray(path.read_bytes())
+    n = chunk_codec(md).count  # inner chunks per shard
+    table = np.frombuffer(bytes(raw[-(16 * n + 4):-4]), "<u8").reshape(n, 2).copy()
+    table[0, 0] = len(raw)  # offset past the end, with a valid index checksum
+    body = table.tobytes()
+    raw[-(16 * n + 4):] = body + crc32c.crc32c(body).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError, match=r"inner chunk \[0, 0\]: index entry .* does not fit"):
+        read_all(tmp_path, md)
+
+
+def test_partial_writes_are_refused(tmp_path):
+    md = metadata((64, 64), (32, 64), np.float32, 1024)
+    arr = Storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
+    with pytest.raises(ValueError, match="whole chunks"):
+        arr.write(((0, 16), (0, 64)), np.zeros((16, 64), np.float32))
+
+
+def test_fsync_each_and_counters(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    before = _localfile.counters()
+    data = values((64, 96), np.float32)
+    md = metadata(data.shape, (32, 96), np.float32, 1024)
+    write_all(tmp_path, "x", md, data, StorageOptions(fsync="each"))
+    assert sorted(p for p in synced if "/c/" in p) == sorted(map(str, files(tmp_path).values()))  # each chunk file
+    after = _localfile.counters()
+    assert after["bytes_written"] - before["bytes_written"] == sum(
+        os.path.getsize(p) for p in files(tmp_path).values())
+    read_all(tmp_path, md)
+    assert _localfile.counters()["bytes_read"] - after["bytes_read"] == sum(
+        os.path.getsize(p) for p in files(tmp_path).values())

@@ -1,0 +1,474 @@
+"""Chunk files on a local file system, written and read without TensorStore's codec path.
+
+For the codec chains zarrckpt writes uncompressed (spec §5.5):
+
+* plain: ``[bytes(little), crc32c]`` — the file is the chunk's bytes, then their CRC-32C;
+* sharded: ``sharding_indexed`` whose inner and index codecs are ``[bytes(little), crc32c]``
+  and whose index is at the end — the file is the encoded inner chunks, then the index
+  (``(offset, nbytes)`` as little-endian uint64 per inner chunk in C order, both
+  ``2**64 - 1`` for an absent one), then the index's CRC-32C.
+
+an encoded inner chunk has a fixed size (its bytes plus 4), so every inner chunk's offset
+is known before anything is written. That lets one shard be written by several threads
+at once with ``pwritev`` straight from the caller's memory (no encoded copy of the shard
+is ever built), and a region be read with ``preadv`` straight into the target. Each
+inner chunk passes through the CPU once: its CRC is computed over the bytes where they
+lie (an inner chunk that is not contiguous in the caller's array goes through a
+per-thread buffer of one inner chunk, which stays in cache).
+
+TensorStore writes and reads the same bytes (tests/test_localfile.py compares them file
+for file, and reads each one's files with the other and with zarr-python). Anything else
+(compression, big-endian hosts, object stores) goes through TensorStore.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from .. import dtypes
+from ..errors import CorruptChunkError
+
+__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters"]
+
+Box = tuple[tuple[int, int], ...]
+
+_ABSENT = 2**64 - 1
+# bytes of inner chunks per task: a shard bigger than this is written (and a region read)
+# by several threads at once
+PIECE_BYTES = 32 << 20
+
+
+def _plain(codecs: Any) -> bool:
+    """``[bytes(little), crc32c]`` exactly (an omitted endian only where it is allowed)."""
+    if not isinstance(codecs, list) or len(codecs) != 2:
+        return False
+    b, c = codecs
+    return (b.get("name") == "bytes" and b.get("configuration", {}).get("endian", "little") == "little"
+            and c.get("name") == "crc32c" and not c.get("configuration"))
+
+
+@dataclass(frozen=True)
+class ChunkCodec:
+    """What a chunk file of one array holds: ``inner`` is the inner chunk shape when
+    sharded, else the chunk shape itself (one "inner chunk", no index)."""
+
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]
+    inner: tuple[int, ...]
+    sharded: bool
+    dtype: np.dtype
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Inner chunks per chunk, per dimension."""
+        return tuple(c // i for c, i in zip(self.chunk, self.inner))
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def inner_nbytes(self) -> int:
+        return math.prod(self.inner) * self.dtype.itemsize
+
+    @property
+    def index_nbytes(self) -> int:
+        return 16 * self.count + 4 if self.sharded else 0
+
+    def chunk_key(self, index: tuple[int, ...]) -> str:
+        return "/".join(["c", *map(str, index)])
+
+    def inner_box(self, chunk_index: tuple[int, ...], j: tuple[int, ...]) -> Box:
+        """Global box of inner chunk ``j`` of chunk ``chunk_index``, clipped to the shape."""
+        return tuple((c * cs + k * i, min(c * cs + (k + 1) * i, n))
+                     for c, cs, k, i, n in zip(chunk_index, self.chunk, j, self.inner, self.shape))
+
+    def present(self, chunk_index: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Inner chunks of a chunk not wholly in its padding, in C order (the ones written)."""
+        return [j for j in np.ndindex(*self.grid)
+                if all(c * cs + k * i < n for c, cs, k, i, n in zip(chunk_index, self.chunk, j, self.inner,
+                                                                      self.shape))]
+
+
+def chunk_codec(metadata: dict[str, Any]) -> ChunkCodec | None:
+    """The :class:`ChunkCodec` of an array ``zarr.json``, or None when its chunks are not
+    of the two forms above (those go through TensorStore)."""
+    if sys.byteorder != "little":  # pragma: no cover
+        return None
+    try:
+        grid = metadata["chunk_grid"]
+        cke = metadata["chunk_key_encoding"]
+        if grid.get("name") != "regular" or cke.get("name") != "default" \
+                or cke.get("configuration", {}).get("separator", "/") != "/":
+            return None
+        shape = tuple(metadata["shape"])
+        chunk = tuple(grid["configuration"]["chunk_shape"])
+        dtype = dtypes.by_zarr(metadata["data_type"]).numpy
+        codecs = metadata["codecs"]
+        if _plain(codecs):
+            return ChunkCodec(shape, chunk, chunk, False, np.dtype(dtype))
+        if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+            cfg = codecs[0]["configuration"]
+            inner = tuple(cfg["chunk_shape"])
+            if (_plain(cfg["codecs"]) and _plain(cfg["index_codecs"])
+                    and cfg.get("index_location", "end") == "end"
+                    and len(inner) == len(chunk) and all(i > 0 and c % i == 0 for c, i in zip(chunk, inner))):
+                return ChunkCodec(shape, chunk, inner, True, np.dtype(dtype))
+    except Exception:  # noqa: BLE001 - anything unusual goes through TensorStore
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- futures
+
+class _Group:
+    """One future over several pool tasks: done when all are, failing with the first error.
+    ``finish`` runs in the last task's thread once every task succeeded."""
+
+    def __init__(self, n: int, finish: Callable[[], None] | None = None) -> None:
+        self.future: cf.Future = cf.Future()
+        self._left = n
+        self._error: BaseException | None = None
+        self._finish = finish
+        self._lock = threading.Lock()
+        if n == 0:
+            self._done()
+
+    def run(self, fn: Callable[[], None]) -> None:
+        error = None
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the future
+            error = e
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._done()
+
+    def _done(self) -> None:
+        if self._error is None and self._finish is not None:
+            try:
+                self._finish()
+            except BaseException as e:  # noqa: BLE001
+                self._error = e
+        if self._error is not None:
+            self.future.set_exception(self._error)
+        else:
+            self.future.set_result(None)
+
+
+_counts = {"bytes_read": 0, "bytes_written": 0}
+_counts_lock = threading.Lock()
+
+
+def _count(name: str, n: int) -> None:
+    with _counts_lock:
+        _counts[name] += n
+
+
+def counters() -> dict[str, int]:
+    """Bytes this process read from and wrote to chunk files directly (since start)."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> cf.ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = cf.ThreadPoolExecutor(threads, thread_name_prefix="zarrckpt-io")
+        return pool
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's buffer of at least ``nbytes`` (one inner chunk and its CRC)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+    return buf[:nbytes]
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _sub(a: np.ndarray, box: Box, origin: tuple[int, ...]) -> np.ndarray:
+    """The view of ``a`` (whose element 0 is at global ``origin``) over global ``box``."""
+    return a[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin))] if box else a
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _split(items: list, size: int, piece: int) -> Iterator[list]:
+    n = max(1, piece // max(size, 1))
+    for s in range(0, len(items), n):
+        yield items[s:s + n]
+
+
+# --------------------------------------------------------------------------- arrays
+
+class LocalArray:
+    """An array whose chunk files are written and read directly (see the module docstring).
+    Same interface as the TensorStore-backed ``Array``: futures from ``write``/``read_into``."""
+
+    def __init__(self, directory: str, codec: ChunkCodec, key: str, *, threads: int, fsync: bool) -> None:
+        self.dir = directory
+        self.codec = codec
+        self.key = key
+        self.fsync = fsync
+        self._pool = _pool(threads)
+        self._dirs: set[str] = set()
+        self._index: dict[tuple[int, ...], np.ndarray] = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codec.shape
+
+    def _path(self, index: tuple[int, ...]) -> str:
+        return os.path.join(self.dir, *self.codec.chunk_key(index).split("/"))
+
+    def _where(self, index: tuple[int, ...], j: tuple[int, ...] | None = None) -> str:
+        w = f"array {self.key!r}: chunk {self.codec.chunk_key(index)}"
+        return w + (f" inner chunk {list(j)}" if j is not None and self.codec.sharded else "")
+
+    # ---- write --------------------------------------------------------------
+
+    def write(self, box: Box, data: np.ndarray, *, stable: bool = True) -> cf.Future:
+        """Write the whole chunk ``box`` (clipped to the shape) from ``data`` (any strides);
+        the caller keeps ``data`` unchanged until the future completes."""
+        c = self.codec
+        index = tuple(a // cs for (a, _), cs in zip(box, c.chunk))
+        if box != tuple((i * cs, min((i + 1) * cs, n)) for i, cs, n in zip(index, c.chunk, c.shape)) \
+                or data.shape != tuple(b - a for a, b in box):
+            raise ValueError(f"{self._where(index)}: direct writes take whole chunks, not {box}")
+        path = self._path(index)
+        parent = os.path.dirname(path)
+        if parent not in self._dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
+        origin = tuple(a for a, _ in box)
+        enc = c.inner_nbytes + 4
+        present = c.present(index)
+        # a fresh file of the final size; every task then writes its own byte range
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, len(present) * enc + c.index_nbytes)
+        finally:
+            os.close(fd)
+        slot = {j: n for n, j in enumerate(present)}
+        pieces = list(_split(present, enc, PIECE_BYTES))
+
+        def finish() -> None:
+            if self.fsync:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        group = _Group(len(pieces) + (1 if c.sharded else 0), finish)
+        for piece in pieces:
+            self._pool.submit(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
+                                                                             slot))
+        if c.sharded:
+            table = np.full((c.count, 2), _ABSENT, dtype="<u8")
+            flat = {j: n for n, j in enumerate(np.ndindex(*c.grid))}
+            for j, n in slot.items():
+                table[flat[j]] = (n * enc, enc)
+            raw = table.tobytes()
+            index_bytes = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+            self._pool.submit(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
+        return group.future
+
+    def _write_inner(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
+                     piece: list[tuple[int, ...]], slot: dict) -> None:
+        c = self.codec
+        enc = c.inner_nbytes + 4
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for j in piece:
+                gbox = c.inner_box(index, j)
+                tile = _sub(data, gbox, origin)
+                if tile.shape == c.inner and tile.flags.c_contiguous:
+                    body = _bytes_of(tile)
+                else:  # strided, or partly in the padding (filled with zero bytes)
+                    buf = _scratch(c.inner_nbytes).view(c.dtype).reshape(c.inner)
+                    if tile.shape != c.inner:
+                        buf[...] = np.zeros((), c.dtype)
+                    np.copyto(buf[tuple(slice(0, s) for s in tile.shape)], tile, casting="no")
+                    body = _bytes_of(buf)
+                crc = crc32c.crc32c(body).to_bytes(4, "little")
+                _pwritev_all(fd, [body, crc], slot[j] * enc)
+                _count("bytes_written", enc)
+        finally:
+            os.close(fd)
+
+    def _pwrite(self, path: str, bufs: list, offset: int) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            _pwritev_all(fd, bufs, offset)
+            _count("bytes_written", sum(len(b) for b in bufs))
+        finally:
+            os.close(fd)
+
+    # ---- read ---------------------------------------------------------------
+
+    def read_into(self, box: Box, out: np.ndarray) -> cf.Future:
+        """Read the global ``box`` into ``out`` (a possibly strided view of its shape)."""
+        c = self.codec
+        units = []  # (chunk index, inner chunk) pairs that meet the box
+        first = [a // cs for (a, _), cs in zip(box, c.chunk)]
+        last = [(b - 1) // cs for (_, b), cs in zip(box, c.chunk)]
+        if any(b <= a for a, b in box):
+            return _Group(0).future
+        for index in np.ndindex(*[l - f + 1 for f, l in zip(first, last)]):
+            index = tuple(i + f for i, f in zip(index, first))
+            lo = [max(a, i * cs) for (a, _), i, cs in zip(box, index, c.chunk)]
+            hi = [min(b, (i + 1) * cs) for (_, b), i, cs in zip(box, index, c.chunk)]
+            ranges = [range((lo_ - i * cs) // n, (hi_ - 1 - i * cs) // n + 1)
+                      for lo_, hi_, i, cs, n in zip(lo, hi, index, c.chunk, c.inner)]
+            units.extend((index, j) for j in np.ndindex(*[len(r) for r in ranges])
+                         for j in [tuple(r[k] for r, k in zip(ranges, j))])
+        origin = tuple(a for a, _ in box)
+        pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
+        group = _Group(len(pieces))
+        for piece in pieces:
+            self._pool.submit(group.run, lambda piece=piece: self._read_units(box, origin, out, piece))
+        return group.future
+
+    def read(self, box: Box | None = None) -> cf.Future:
+        """A new array holding ``box`` (default: everything); a future of it."""
+        box = box or tuple((0, n) for n in self.shape)
+        out = np.empty([b - a for a, b in box], self.codec.dtype)
+        result: cf.Future = cf.Future()
+
+        def done(f: cf.Future) -> None:
+            if f.exception() is not None:
+                result.set_exception(f.exception())
+            else:
+                result.set_result(out)
+        self.read_into(box, out).add_done_callback(done)
+        return result
+
+    def _open_chunk(self, index: tuple[int, ...]) -> int:
+        try:
+            return os.open(self._path(index), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{self._where(index)} is missing from storage") from None
+
+    def _table(self, fd: int, index: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """(the shard index as (count, 2) uint64, where the inner chunks end), checked."""
+        c = self.codec
+        size = os.fstat(fd).st_size
+        table = self._index.get(index)
+        if table is not None:
+            return table, size - c.index_nbytes
+        n = c.index_nbytes
+        if size < n:
+            raise CorruptChunkError(f"{self._where(index)} is truncated: {size} bytes, the index alone is {n}")
+        raw = os.pread(fd, n, size - n)
+        _count("bytes_read", len(raw))
+        if len(raw) != n:
+            raise CorruptChunkError(f"{self._where(index)}: short read of its index")
+        if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
+        table = np.frombuffer(raw[:-4], dtype="<u8").reshape(c.count, 2)
+        self._index[index] = table
+        return table, size - n
+
+    def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list) -> None:
+        c = self.codec
+        enc = c.inner_nbytes + 4
+        fd, at = -1, None
+        try:
+            for index, j in units:
+                if index != at:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    fd = self._open_chunk(index)
+                    at = index
+                    if c.sharded:
+                        table, end = self._table(fd, index)
+                    else:
+                        end = os.fstat(fd).st_size - 4
+                        if end != c.inner_nbytes:
+                            raise CorruptChunkError(f"{self._where(index)}: {end + 4} bytes, expected "
+                                                    f"{c.inner_nbytes + 4}")
+                if c.sharded:
+                    off, nbytes = (int(x) for x in table[int(np.ravel_multi_index(j, c.grid))])
+                    if off == _ABSENT and nbytes == _ABSENT:
+                        raise CorruptChunkError(f"{self._where(index, j)} is absent from its shard")
+                    if nbytes != enc or off + nbytes > end:
+                        raise CorruptChunkError(f"{self._where(index, j)}: index entry ({off}, {nbytes}) does "
+                                                f"not fit an uncompressed inner chunk of {enc} bytes in the file")
+                else:
+                    off = 0
+                ibox = c.inner_box(index, j)
+                part = tuple((max(a, ia), min(b, ib)) for (a, b), (ia, ib) in zip(box, ibox))
+                dst = _sub(out, part, origin)
+                crc = bytearray(4)
+                if part == ibox and ibox == tuple((a, a + n) for (a, _), n in zip(ibox, c.inner)) \
+                        and dst.flags.c_contiguous:
+                    body = _bytes_of(dst)  # straight into the target
+                    _preadv_all(fd, [body, crc], off, self._where(index, j))
+                else:
+                    buf = _scratch(c.inner_nbytes)
+                    body = memoryview(buf)
+                    _preadv_all(fd, [body, crc], off, self._where(index, j))
+                    tile = buf.view(c.dtype).reshape(c.inner)
+                    np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
+                _count("bytes_read", enc)
+                if crc32c.crc32c(body) != int.from_bytes(crc, "little"):
+                    raise CorruptChunkError(f"{self._where(index, j)} fails its crc32c checksum")
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _preadv_all(fd: int, bufs: list, offset: int, where: str) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise CorruptChunkError(f"{where} is truncated")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
