@@ -12,7 +12,6 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-import tensorstore as ts
 import torch
 
 import zarrckpt

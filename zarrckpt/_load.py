@@ -50,7 +50,7 @@ from .errors import (
 from .layout import Layout, Replicate, slices as _slices
 from .reader import Checkpoint
 from .staging import streaming_arena
-from .storage import Array, StorageOptions, translate_error
+from .storage import StorageOptions, translate_error
 
 log = logging.getLogger("zarrckpt")
 

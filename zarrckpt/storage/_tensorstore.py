@@ -670,7 +670,7 @@ def io_counters() -> dict[str, int]:
     kvstores (its metrics) and the direct chunk-file path together."""
     out = dict(_direct_counters())
     for name, metric in (("bytes_read", "bytes_read"), ("bytes_written", "bytes_written")):
-        for m in ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/"):
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
             if m["name"].endswith("/" + metric):
                 out[name] += sum(int(v.get("value", 0)) for v in m["values"])
     return out
