@@ -50,7 +50,7 @@ from ._state import resolve_stateful
 from .layout import slices as _slices
 from .errors import SaveFailedError, UnsupportedValueError
 from .staging import Arena, staged_nbytes, streaming_arena, sync_devices
-from .storage import Array, Storage, StorageOptions
+from .storage import Storage, StorageOptions
 
 log = logging.getLogger("zarrckpt")
 
@@ -209,9 +209,9 @@ class SaveRun:
         if not agreed:
             views = self.g.all_gather(must.decode())
             raise SaveFailedError(
-                f"ranks disagree on the path or on options that decide what is stored (every rank "
-                f"must pass the same path, overwrite, compression, inner_chunk_bytes, "
-                f"replica_split_bytes and pack_bytes): "
+                "ranks disagree on the path or on options that decide what is stored (every rank "
+                "must pass the same path, overwrite, compression, inner_chunk_bytes, "
+                "replica_split_bytes and pack_bytes): "
                 + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
         self.created = fmt.utc_from_us(ids[2])

@@ -191,7 +191,7 @@ class Source:
         meta = doc.get("metadata")
         self.index_metadata = meta if isinstance(meta, dict) else None
 
-    def leaves(self) -> Iterator[ArrayLeaf | Skipped]:
+    def leaves(self) -> Iterator[ArrayLeaf]:
         for h in self.headers:
             f = self._file(h.path)
             for e in h.entries:
