@@ -263,9 +263,8 @@ def _tensorstore(ck: Checkpoint, path: str, metadata: dict[str, Any]) -> Any:
     """A TensorStore handle of the array at ``path`` (packs included): verify reads through
     TensorStore's zarr3 driver, the reference decoder of checksums and shard indexes,
     whatever path zarrckpt's own reads take."""
-    opener = getattr(ck.storage, "open_tensorstore", None) or ck.storage.open_for_read
     try:
-        return opener(path, metadata).result()
+        return ck.storage.open_tensorstore(path, metadata).result()
     except Exception as e:  # noqa: BLE001
         raise translate_error(e, path) from e
 

@@ -36,6 +36,7 @@ from typing import Any, TextIO
 
 from . import inspect as zi
 from ._lazy import format_bytes
+from ._optional import require
 from .errors import ZarrckptError
 
 __all__ = ["main"]
@@ -162,7 +163,8 @@ def _info(args: argparse.Namespace) -> int:
         metrics = ci.metadata.get("metrics") or {}
         line = f"  step     {ci.step if ci.step is not None else '-'}"
         if isinstance(metrics, dict) and metrics:
-            line += "   " + ", ".join(f"{k}={_short(v, 20)}" for k, v in metrics.items())
+            line += "   " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_short(v, 20)}"
+                                  for k, v in metrics.items())
         print(line)
     other = {k: v for k, v in ci.metadata.items() if k not in ("step", "metrics")}
     if other:
@@ -264,7 +266,7 @@ def _diff(args: argparse.Namespace) -> int:
         print(f"only in A: {k}")
     for k in rep.only_b:
         print(f"only in B: {k}")
-    shown = rep.leaves if args.all else rep.differing
+    shown = rep.leaves if args.all else [d for d in rep.leaves if d.status != "identical"]
     rows = []
     for d in shown:
         if d.status in ("identical", "close", "different") and d.dtype_a is None:  # values
@@ -306,6 +308,7 @@ def _diff(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ convert
 
 
+_TORCH_FORMATS = ("dcp", "torch_save")
 _SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch_save", ".pth": "torch_save", ".bin": "torch_save"}
 
 
@@ -356,6 +359,8 @@ def _convert(args: argparse.Namespace) -> int:
     from . import convert as zc
 
     src_fmt = _format_name(args.from_format) or zc.detect_format(args.src)
+    if src_fmt in _TORCH_FORMATS:
+        require("torch", f"converting from {src_fmt}")
     to_fmt = _format_name(args.to_format)
     if to_fmt is None:
         dst = os.fspath(args.dst)
@@ -365,6 +370,8 @@ def _convert(args: argparse.Namespace) -> int:
                 raise _Usage("converting from zarrckpt: say --to (safetensors, torch_save or dcp), or give DST a "
                              ".safetensors / .pt name")
             to_fmt = "zarrckpt"
+    if to_fmt in _TORCH_FORMATS:
+        require("torch", f"converting to {to_fmt}")
     options: dict[str, Any] = {"keys": _keys_arg(args.keys), "dtype": _dtype_arg(args.dtype),
                                "overwrite": args.overwrite, "strict": not args.skip_unsupported}
     if args.memory_limit is not None:

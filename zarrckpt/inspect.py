@@ -646,9 +646,10 @@ def _run(paths: Any, storage: StorageOptions | None) -> list[tuple[int | None, C
 
 
 def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, title: str | None = None) -> str:
-    """A PNG at ``out`` of each tensor's norm across the checkpoints of ``results`` (one
-    line per key, steps on the x axis, log scale when the norms span more than two
-    decades). Needs matplotlib (``pip install 'zarrckpt[plot]'``). Returns the path."""
+    """A PNG at ``out`` of how each tensor's norm moves across the checkpoints of
+    ``results``: the L2 norm per step (log scale when the norms span more than a decade),
+    and below it the change relative to the first step, one line per key. Needs
+    matplotlib (``pip install 'zarrckpt[plot]'``). Returns the path."""
     from ._optional import require
 
     require("matplotlib", "plot_norms()")
@@ -660,20 +661,29 @@ def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, ti
     for i, r in enumerate(results):
         for t in r.tensors:
             series.setdefault(t.key, [math.nan] * len(results))[i] = t.norm if t.norm is not None else math.nan
-    fig = Figure(figsize=(9, 5.5), dpi=110)
+    fig = Figure(figsize=(10, 7.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for key, ys in series.items():
-        ax.plot(steps, ys, marker="o", markersize=3, linewidth=1.2, label=key)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if len(series) <= 10 else "tab20"].colors
+    for i, (key, ys) in enumerate(series.items()):
+        style = {"color": palette[i % len(palette)], "linestyle": ("-", "--", ":", "-.")[i // len(palette) % 4],
+                 "marker": "o", "markersize": 3, "linewidth": 1.2}
+        top.plot(steps, ys, label=key, **style)
+        first = next((y for y in ys if y == y), math.nan)
+        bottom.plot(steps, [(y / first - 1) * 100 if first else math.nan for y in ys], **style)
     positive = [y for ys in series.values() for y in ys if y == y and y > 0]
-    if positive and max(positive) / min(positive) > 100:
-        ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("L2 norm")
-    ax.set_title(title or "norm of each tensor across steps")
-    ax.grid(True, alpha=0.3)
+    if positive and max(positive) / min(positive) > 10:
+        top.set_yscale("log")
+    top.set_ylabel("L2 norm")
+    top.set_title(title or "norm of each tensor across steps")
+    bottom.set_ylabel(f"change since step {steps[0]} (%)" if steps else "change (%)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
     if len(series) <= 24:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     path = os.fspath(out)
     fig.savefig(path, format="png")

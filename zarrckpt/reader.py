@@ -609,8 +609,8 @@ def _require_regular(path: str, what: str, *, missing_ok: bool) -> None:
 
 # ------------------------------------------------------------------ not a checkpoint
 
-_CONVERTER = ("convert it with zarrckpt.convert (from_dcp, from_safetensors, from_torch_save); "
-              "a `zarrckpt convert` command is planned")
+_CONVERTER = ("convert it with `zarrckpt convert SRC DST` or zarrckpt.convert (from_dcp, from_safetensors, "
+              "from_torch_save)")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
