@@ -51,7 +51,7 @@ from . import format as fmt
 from ._lazy import placement_str
 from ._verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
 from ._walk import Progress, ProgressFn, boxes, parallel, raw_root, read_box
-from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, ZarrckptError
 from .reader import Checkpoint
 from .storage import Storage, StorageOptions
 
@@ -328,7 +328,7 @@ def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -
     if sizes:
         try:
             out.nbytes = sum(math.prod(a.shape) * a.dtype.numpy.itemsize for a in ck.array_infos(arrays).values())
-        except FormatError as e:
+        except ZarrckptError as e:  # a document changed, missing or unreadable
             out.state, out.error = "damaged", str(e)
     return out
 
