@@ -217,6 +217,16 @@ def mark_inner_missing(path: Path, entry: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def edit_root(path: Path, old: bytes, new: bytes) -> None:
+    """Change the root and record its new digest: a root that passes §6.6 but says
+    something wrong."""
+    raw = (path / "zarr.json").read_bytes()
+    digest = json.loads(raw)["attributes"]["zarrckpt"]["digests"]["root"]
+    edited = raw.replace(old, new, 1)
+    assert edited != raw
+    (path / "zarr.json").write_bytes(edited.replace(digest.encode(), fmt.root_digest(edited, digest).encode()))
+
+
 def edit(path: Path, old: bytes, new: bytes) -> None:
     data = path.read_bytes()
     assert old in data, (path, old)
@@ -227,7 +237,7 @@ def edit(path: Path, old: bytes, new: bytes) -> None:
 DAMAGE = {
     "flipped byte in a chunk": (lambda p: flip(p / "plain/c/1/0", 3), "CHECKSUM", "plain chunk c/1/0"),
     "flipped byte in an inner chunk": (lambda p: flip(p / "shard/c/0/0", 60), "CHECKSUM", "shard chunk c/0/0 inner [0, 1]"),
-    "deleted shard": (lambda p: os.remove(p / "shard/c/1/0"), "MISSING", "shard chunk c/1/0"),
+    "deleted shard": (lambda p: os.remove(p / "shard/c/1/0"), "MISSING", "shard chunk c/1/0: not in storage"),
     "truncated shard": (lambda p: truncate(p / "shard/c/0/0", 7), "CHECKSUM", "shard chunk c/0/0: shard index"),
     "truncated chunk": (lambda p: truncate(p / "plain/c/2/0", 2), "CHECKSUM", "plain chunk c/2/0"),
     "inner chunk missing from its shard": (lambda p: mark_inner_missing(p / "shard/c/1/0", 1), "MISSING",
@@ -238,7 +248,10 @@ DAMAGE = {
     "root changed": (lambda p: edit(p / "zarr.json", b'{"json":7}', b'{"json":8}'), "DIGEST",
                      "root zarr.json: "),
     "root not JSON": (lambda p: truncate(p / "zarr.json", 3), "ROOT", "root zarr.json: "),
-    "pack deleted": (lambda p: os.remove(p / ".packs/0/c/0"), "MISSING", ".packs/0 (holds small) chunk c/0"),
+    "pack deleted": (lambda p: os.remove(p / ".packs/0/c/0"), "MISSING",
+                     ".packs/0 (holds small) chunk c/0: not in storage"),
+    "packed leaf outside its pack": (lambda p: edit_root(p, b'"offset":0', b'"offset":64'), "PACK",
+                                     ".packs/0 (holds small): packed leaf 'small': bytes 64..70 lie outside"),
     "uncommitted save": (lambda p: pending_root(p), "UNCOMMITTED", "root zarr.json: "),
 }
 
