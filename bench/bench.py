@@ -1,303 +1,109 @@
 """zarrckpt vs torch.distributed.checkpoint (DCP): one command, same state, same run.
 
     python bench/bench.py --device cpu|cuda --state-gb 2 --reps 3 --dir /path \
-        [--world 2] [--small-tensors 10000] [--out results.json] \
-        [--only save,async,load,reshard,small,sim]
+        [--shape linear,transformer,moe] [--world 2] [--small-tensors 10000] \
+        [--only save,async,load,reshard,reshard_pairs,small,sim] [--out results.json]
 
-Spawns the ranks itself, alternates the two systems (zarrckpt first on even reps,
-DCP first on odd), measures the storage's own bandwidth in every rep, prints one
-markdown table per section and writes every raw number to JSON. See bench/README.md.
+For every model shape, spawns the ranks itself and runs three systems side by side --
+zarrckpt, DCP with its defaults, and DCP at its best (writer threads chosen by a sweep at
+the start of the shape, pinned reusable async staging) -- in an order rotated every rep,
+measures the storage's own bandwidth in every rep, then loads the checkpoints on other
+world sizes and layouts in further spawns. Prints one markdown table per shape and
+section and writes every raw number to JSON. See bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import datetime
 import json
 import os
 import platform
 import random
 import shutil
-import socket
+import statistics
 import subprocess
 import sys
-import threading
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import zarrckpt
-from report import SYSTEMS, report
+from harness import (Ctx, bit_equal, checksums, dir_stats, drop_caches, free_port, fs_type, init_dist,  # noqa: F401
+                     leaves, load_pair, local, now, rotate, saver, sizes, storage_bw, tmap, verify_checksums)
+from models import SHAPES, build_state, tensor_stats
+from report import BENCH_SYSTEMS, report
+from reshard import jobs, make_target, pair_worker, wanted_pairs
 from sim import run_sim
 
-SECTIONS = ("save", "async", "load", "reshard", "small", "sim")
-BW_BLOCK = 8 << 20
-now = time.perf_counter
+SECTIONS = ("save", "async", "load", "reshard", "reshard_pairs", "small", "sim")
+STATE_SECTIONS = {"save", "async", "load", "reshard", "reshard_pairs"}
 
 
-# ----------------------------------------------------------------- host helpers
+# ------------------------------------------------------------------ DCP at its best
 
-def fs_type(path: str) -> str:
-    path, best, kind = os.path.realpath(path), "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            _, mnt, typ = line.split()[:3]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, typ
-    return kind
-
-
-def drop_caches(path: str) -> str:
-    """Drop the page cache (needs root); skipped on tmpfs, whose data lives in memory."""
-    if fs_type(path) in ("tmpfs", "ramfs"):
-        return "skipped (tmpfs)"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "dropped"
-    except OSError as e:
-        return f"not permitted ({e.strerror})"
+def sweep_threads(ctx: Ctx, sd, tag: str) -> dict:
+    """Sync DCP saves with ``FileSystemWriter(thread_count=T)`` for every T of
+    ``--dcp-threads``, ``--sweep-reps`` times (order rotated); the T of the fastest median
+    (rank 0's timing, which spans the barriers) becomes ``ctx.dcp_threads``."""
+    cfg = ctx.cfg
+    secs: dict[int, list[float]] = {t: [] for t in cfg.dcp_threads}
+    for r in range(cfg.sweep_reps):
+        for t in rotate(cfg.dcp_threads, r):
+            path = os.path.join(cfg.dir, f"sweep_{tag}_t{t}")
+            rec = ctx.measure(lambda: dcp.save(sd, storage_writer=FileSystemWriter(path, thread_count=t)))
+            secs[t].append(rec["seconds"])
+            ctx.rmtree(path)
+    med = {t: statistics.median(v) for t, v in secs.items()}
+    choice = [min(med, key=med.get)]
+    dist.broadcast_object_list(choice, src=0, group=ctx.gloo)
+    ctx.dcp_threads = choice[0]
+    return {"seconds": {str(t): v for t, v in secs.items()}, "median": {str(t): v for t, v in med.items()},
+            "chosen": choice[0]}
 
 
-def proc_io() -> dict[str, int]:
-    """rchar: bytes returned by read syscalls (page cache included); read_bytes: block device."""
-    try:
-        with open("/proc/self/io") as f:
-            rows = dict(line.split(": ") for line in f.read().splitlines())
-        return {"rchar": int(rows["rchar"]), "read_bytes": int(rows["read_bytes"])}
-    except OSError:
-        return {"rchar": 0, "read_bytes": 0}
+class DcpStager:
+    """The async stager of ``dcp_best``: ``DefaultStager(StagingOptions(pinned, shared memory
+    off, async staging, non-blocking copies))`` -- pinned memory and non-blocking copies
+    only on CUDA (torch refuses non-blocking copies without an accelerator and ignores
+    pinning). ``--dcp-stager reuse`` (default) keeps one stager for every save of a shape,
+    so its cached staging storages are reused; ``per-save`` makes one per save."""
 
+    def __init__(self, cuda: bool, mode: str) -> None:
+        self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                      use_non_blocking_copy=cuda)
+        self.mode, self.stager = mode, None
 
-class RssMonitor:
-    """Samples VmRSS every 20 ms; ``phase()`` yields a dict that receives the peak above the
-    phase's starting RSS and what the phase left allocated (MB)."""
+    def get(self) -> DefaultStager:
+        if self.stager is None:
+            self.stager = DefaultStager(self.options)
+        return self.stager
 
-    def __init__(self, interval: float = 0.02) -> None:
-        self.peak, self.lock, self.interval = 0, threading.Lock(), interval
-        threading.Thread(target=self._run, daemon=True).start()
+    def warm(self, sd) -> None:
+        """Stage once, untimed (as zarrckpt.reserve_staging): the cached storages exist
+        before rep 0."""
+        if self.mode == "reuse":
+            self.get().stage(sd).result()
 
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+    def cached(self) -> int:
+        return len(self.stager._state_dict_stager._cached_storage_mapping) if self.stager else 0
 
-    def _run(self) -> None:
-        while True:
-            v = self.rss()
-            with self.lock:
-                self.peak = max(self.peak, v)
-            time.sleep(self.interval)
+    def after_save(self) -> None:
+        if self.mode == "per-save":
+            self.close()
 
-    @contextlib.contextmanager
-    def phase(self):
-        base = self.rss()
-        with self.lock:
-            self.peak = base
-        rec: dict = {}
-        yield rec
-        end = self.rss()
-        with self.lock:
-            peak = max(self.peak, end)
-        rec["rss_peak_mb"], rec["rss_retained_mb"] = (peak - base) / 2**20, (end - base) / 2**20
-
-
-def dir_stats(path: str) -> tuple[int, int]:
-    """(files, bytes) under ``path``."""
-    files = size = 0
-    for root, _, names in os.walk(path):
-        files += len(names)
-        size += sum(os.path.getsize(os.path.join(root, n)) for n in names)
-    return files, size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------- state helpers
-
-def tmap(fn, obj):
-    """Map ``fn`` over the tensor leaves of a nested dict/list/tuple; deep-copy the rest."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: tmap(fn, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tmap(fn, v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def leaves(obj, prefix=()):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            yield from leaves(v, prefix + (k,))
-
-
-def local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def bit_equal(a, b) -> bool:
-    a, b = a.detach().contiguous(), b.detach().to(a.device).contiguous()
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def get_at(obj, path):
-    for p in path:
-        obj = obj[p]
-    return obj
-
-
-def sizes(sd) -> tuple[int, int]:
-    """(global bytes of the state's tensors, bytes held by this rank)."""
-    ts = [t for _, t in leaves(sd)]
-    return (sum(t.numel() * t.element_size() for t in ts),
-            sum(local(t).numel() * t.element_size() for t in ts))
-
-
-def build_state(cfg, device, mesh):
-    """FSDP2 stack of Linear layers + AdamW after one step, fp32: params + 2 moments ~ state_gb."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    n_params = cfg.state_gb * 1e9 / 12
-    hidden = cfg.hidden or 4096
-    while not cfg.hidden and hidden > 64 and n_params / (hidden * hidden + hidden) < 8:
-        hidden //= 2
-    layers = max(1, round(n_params / (hidden * hidden + hidden)))
-    with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(1234 + mesh.get_rank())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().uniform_(-hidden ** -0.5, hidden ** -0.5, generator=gen)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, hidden, device=device, generator=gen)).square().mean().backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd}, {"hidden": hidden, "layers": layers}
-
-
-def small_state(n: int, device):
-    """n replicated plain fp32 tensors of 1-16 KB, identical on every rank."""
-    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
-    return {f"t{i:05d}": torch.rand(rng.randint(256, 4096), generator=gen).to(device) for i in range(n)}
-
-
-# ------------------------------------------------------------------- harness
-
-class Ctx:
-    """One process's view: barriers (when distributed), page-cache drops, timed phases."""
-
-    def __init__(self, rank, cfg, device, distributed=True):
-        self.rank, self.cfg, self.device, self.distributed = rank, cfg, device, distributed
-        self.mon = RssMonitor()
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        if self.distributed:
-            dist.barrier()
-
-    def drop(self) -> str:
-        status = drop_caches(self.cfg.dir) if self.rank == 0 else ""
-        self.sync()
-        return status
-
-    def rmtree(self, path):
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        self.sync()
-
-    def measure(self, fn) -> dict:
-        """Barrier, run ``fn``, barrier: seconds, RSS peak/retained, /proc/self/io deltas,
-        plus whatever dict ``fn`` returns."""
-        self.sync()
-        io0 = proc_io()
-        with self.mon.phase() as rec:
-            t0 = now()
-            extra = fn()
-            self.sync()
-            rec["seconds"] = now() - t0
-        io1 = proc_io()
-        rec.update({k: io1[k] - io0[k] for k in io0})
-        rec.update(extra if isinstance(extra, dict) else {})
-        return rec
-
-    def pair(self, rep, prepare, after=None) -> dict:
-        """Both systems, zarrckpt first on even reps. ``prepare(system)`` (untimed) returns
-        the callable to time; ``after(system, record)`` verifies / cleans up (untimed)."""
-        order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-        out = {"rep": rep, "order": list(order)}
-        for s in order:
-            fn = prepare(s)
-            out[s] = self.measure(fn)
-            if after:
-                after(s, out[s])
-        return out
-
-
-def storage_bw(ctx: Ctx, nbytes: int, threads: int) -> dict:
-    """Plain sequential writes of ``nbytes`` per rank spread over ``threads`` files (8 MiB
-    writes, fsync per file), then reads of them after dropping the page cache."""
-    d = os.path.join(ctx.cfg.dir, "bw")
-    os.makedirs(d, exist_ok=True)
-    paths = [os.path.join(d, f"r{ctx.rank}_t{i}") for i in range(threads)]
-    per = max(nbytes // threads, 1)
-    block = memoryview(os.urandom(BW_BLOCK))
-
-    def write(p):
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        left = per
-        while left:
-            left -= os.write(fd, block[:min(BW_BLOCK, left)])
-        os.fsync(fd)
-        os.close(fd)
-
-    def read(p):
-        buf = bytearray(BW_BLOCK)
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-    with ThreadPoolExecutor(threads) as pool:
-        w = ctx.measure(lambda: list(pool.map(write, paths)))
-        drop = ctx.drop()
-        r = ctx.measure(lambda: list(pool.map(read, paths)))
-    for p in paths:
-        os.remove(p)
-    ctx.sync()
-    return {"threads": threads, "bytes": per * threads, "write_s": w["seconds"], "read_s": r["seconds"],
-            "drop": drop}
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
 
 # ---------------------------------------------------------------- sections
-
-def saver(s, sd, path):
-    if s == "zc":
-        return lambda: {"report": zarrckpt.save(sd, path)}
-    return lambda: dcp.save(sd, checkpoint_id=path)
-
 
 def record_files(ctx, cur):
     def after(_, rec):
@@ -314,11 +120,14 @@ def sync_save(ctx, rep, sd, ckpt, tag="sync"):
 
     def prepare(s):
         ckpt[s] = cur[0] = os.path.join(ctx.cfg.dir, f"{s}_{tag}_{rep}")
-        return saver(s, sd, cur[0])
+        return saver(ctx, s, sd, cur[0])
     return ctx.pair(rep, prepare, record_files(ctx, cur))
 
 
-def async_save(ctx, rep, sd, dcp_group):
+def async_save(ctx, rep, sd, stager: DcpStager):
+    """blocked: the call's return; may_change: until the state may change (zarrckpt:
+    ``wait_staged()``; DCP: the ``staging_completion`` future, or the call itself when it
+    returns a plain Future, as with its default stager); the phase's seconds: committed."""
     cur = [None]
 
     def prepare(s):
@@ -333,37 +142,26 @@ def async_save(ctx, rep, sd, dcp_group):
                 may_change = now() - t0
                 return {"blocked": blocked, "may_change": may_change, "staged_seconds": fut.staged_seconds,
                         "report": fut.result()}
-            fut = dcp.async_save(sd, checkpoint_id=path, process_group=dcp_group)
+            if s == "dcp":
+                fut = dcp.async_save(sd, checkpoint_id=path, process_group=ctx.gloo)
+            else:
+                fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads),
+                                     async_stager=stager.get(), process_group=ctx.gloo)
             blocked = now() - t0
-            getattr(fut, "upload_completion", fut).result()  # Future, or AsyncSaveResponse
-            return {"blocked": blocked, "may_change": blocked}  # default DCP stages before returning
+            staged = getattr(fut, "staging_completion", None)
+            if staged is not None:
+                staged.result()
+            may_change = now() - t0
+            getattr(fut, "upload_completion", fut).result()
+            return {"blocked": blocked, "may_change": may_change, "returned": type(fut).__name__}
         return run
 
     def after(s, rec):
         record_files(ctx, cur)(s, rec)
+        if s == "dcp_best":
+            rec["stager_cached_storages"] = stager.cached()
+            stager.after_save()
         ctx.rmtree(cur[0])
-    return ctx.pair(rep, prepare, after)
-
-
-def load_pair(ctx, rep, ckpt, make_target, verify, no_dist=False):
-    """Each system loads its checkpoint into a fresh target (built untimed, cache dropped)."""
-    box = {}
-
-    def prepare(s):
-        box["t"] = target = make_target()
-        box["needed"], box["drop"] = sizes(target)[1], ctx.drop()
-        if s == "dcp":
-            return lambda: dcp.load(target, checkpoint_id=ckpt[s], no_dist=no_dist)
-
-        def run():
-            rep_: dict = {}
-            zarrckpt.load(target, ckpt[s], report=rep_)
-            return {"report": rep_}
-        return run
-
-    def after(s, rec):
-        rec["bytes_needed"], rec["drop"] = box["needed"], box["drop"]
-        rec["verified"] = verify(box.pop("t"))
     return ctx.pair(rep, prepare, after)
 
 
@@ -373,122 +171,147 @@ def same_layout_load(ctx, rep, ckpt, sd):
     return load_pair(ctx, rep, ckpt, lambda: tmap(torch.zeros_like, sd), verify)
 
 
-def small_section(ctx, device):
-    sd = small_state(ctx.cfg.small_tensors, device)
-    out = {"payload_bytes": sizes(sd)[0], "save": [], "load": []}
-    for rep in range(ctx.cfg.reps):
-        ckpt: dict = {}
-        out["save"].append(sync_save(ctx, rep, sd, ckpt, tag="small"))
-        out["load"].append(same_layout_load(ctx, rep, ckpt, sd))
-        for p in ckpt.values():
-            ctx.rmtree(p)
-    return out
+def small_state(n: int, device):
+    """n replicated plain fp32 tensors of 1-16 KB, identical on every rank."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    return {f"t{i:05d}": torch.rand(rng.randint(256, 4096), generator=gen).to(device) for i in range(n)}
 
 
-def write_skeleton(ctx, sd, outdir):
-    """Shapes/dtypes of the state (meta tensors) + two full reference tensors, from which
-    the resharded loads build and check their targets."""
-    skel = tmap(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sd)
-    first = next(iter(sd["model"]))
-    keys = [("model", first), ("optim", "state", first, "exp_avg")]
-    ref = {"/".join(k): get_at(sd, k).full_tensor().cpu() for k in keys}  # collective
+def write_skeleton(ctx, sd, sdir):
+    """Shapes/dtypes of the state (meta tensors), from which other layouts' targets are built."""
     if ctx.rank == 0:
-        torch.save({"skeleton": skel, "ref": ref, "ref_keys": keys}, os.path.join(outdir, "skeleton.pt"))
+        skel = tmap(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sd)
+        torch.save(skel, os.path.join(sdir, "skeleton.pt"))
     ctx.sync()
 
 
-def read_skeleton(outdir):
-    return torch.load(os.path.join(outdir, "skeleton.pt"), weights_only=False)
+def dump(ctx, sdir, name, obj):
+    if ctx.rank == 0:
+        with open(os.path.join(sdir, name), "w") as f:
+            json.dump(obj, f)
 
 
-def shard1_target(outdir, mesh):
-    """Every 2-D tensor a DTensor [Shard(1)], 1-D [Shard(0)], 0-D plain CPU (as AdamW's step)."""
-    from torch.distributed.tensor import zeros as dzeros
+# ------------------------------------------------------------------ processes
 
-    def make(m):
-        if m.dim() == 0:
-            return torch.zeros((), dtype=m.dtype)
-        return dzeros(*m.shape, dtype=m.dtype, device_mesh=mesh, placements=[Shard(1 if m.dim() >= 2 else 0)])
-    return tmap(make, read_skeleton(outdir)["skeleton"])
-
-
-def verify_ref(target, outdir) -> bool:
-    sk = read_skeleton(outdir)
-    ok = True
-    for k in sk["ref_keys"]:
-        t = get_at(target, k)
-        ok &= bit_equal(t.full_tensor() if isinstance(t, DTensor) else t, sk["ref"]["/".join(k)])
-    return ok
-
-
-def dist_worker(rank, cfg, port, outdir):
+def setup(rank, cfg, port):
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world))
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=cfg.world,
-                            timeout=datetime.timedelta(hours=1),
-                            device_id=device if cfg.device == "cuda" else None)
-    dcp_group = dist.new_group(backend="gloo")  # DCP's async save can deadlock on the default group
-    mesh = init_device_mesh(device.type, (cfg.world,))
-    ctx = Ctx(rank, cfg, device)
-    res: dict = {"rank": rank}
-    ckpt: dict = {}
-    if set(cfg.only) & {"save", "async", "load", "reshard"}:
+    device, gloo = init_dist(rank, cfg.world, port, cfg.device, cfg.world)
+    ctx = Ctx(rank, cfg, device, systems=BENCH_SYSTEMS)
+    ctx.gloo = gloo
+    return ctx, init_device_mesh(device.type, (cfg.world,))
+
+
+def shape_worker(rank, cfg, port, sdir, shape):
+    """One rank of one shape: build, sweep DCP's writer threads, then the reps."""
+    ctx, mesh = setup(rank, cfg, port)
+    device = ctx.device
+    pairs = wanted_pairs(cfg.only)
+    res: dict = {"rank": rank, "shape": shape}
+    t0 = now()
+    sd, res["model"] = build_state(shape, cfg, device, mesh)
+    res["build_s"] = now() - t0
+    res["payload_bytes"], res["local_bytes"] = sizes(sd)
+    res["stats"] = tensor_stats(t for _, t in leaves(sd))
+    res["tensors"] = res["stats"]["tensors"]
+    write_skeleton(ctx, sd, sdir)
+    if pairs:
+        ref = checksums(sd, True)
+        dump(ctx, sdir, f"ref_w{cfg.world}.json", ref)
+    res["sweep"] = sweep_threads(ctx, sd, shape)
+    dump(ctx, sdir, "dcp_threads.json", ctx.dcp_threads)
+    stager = DcpStager(device.type == "cuda", cfg.dcp_stager)
+    if "async" in cfg.only:  # both systems' staging memory before the first save, untimed
         t0 = now()
-        sd, res["model"] = build_state(cfg, device, mesh)
-        res["build_s"] = now() - t0
-        res["payload_bytes"], res["local_bytes"] = sizes(sd)
-        res["tensors"] = sum(1 for _ in leaves(sd))
-        write_skeleton(ctx, sd, outdir)
-        if "async" in cfg.only:  # page-lock the async staging buffer before the first save
-            t0 = now()
-            zarrckpt.reserve_staging(sd)
-            res["reserve_staging_s"] = now() - t0
-        for rep in range(cfg.reps):
-            if "save" in cfg.only:  # free the disk before the storage test (peak: ~3x the state)
-                for p in ckpt.values():
-                    ctx.rmtree(p)
-            res.setdefault("bw", []).extend(
-                dict(storage_bw(ctx, res["local_bytes"], t), rep=rep) for t in sorted({1, cfg.bw_threads}))
-            if "save" in cfg.only:
-                res.setdefault("save", []).append(sync_save(ctx, rep, sd, ckpt))
-            elif not ckpt:  # the loads need a checkpoint: save once, untimed
-                sync_save(ctx, rep, sd, ckpt)
-            if "async" in cfg.only:
-                res.setdefault("async", []).append(async_save(ctx, rep, sd, dcp_group))
-            if "load" in cfg.only:
-                res.setdefault("load", []).append(same_layout_load(ctx, rep, ckpt, sd))
-            if "reshard" in cfg.only:
-                res.setdefault("reshard2", []).append(load_pair(
-                    ctx, rep, ckpt, lambda: shard1_target(outdir, mesh), lambda t: verify_ref(t, outdir)))
-        with open(os.path.join(outdir, "ckpt.json"), "w") as f:
-            json.dump(ckpt, f)
-        del sd
-    if "small" in cfg.only:
-        res["small"] = small_section(ctx, device)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        zarrckpt.reserve_staging(sd)
+        res["reserve_staging_s"] = now() - t0
+        t0 = now()
+        stager.warm(sd)
+        res["dcp_stager_warm_s"] = now() - t0
+    ckpt: dict = {}
+    for rep in range(cfg.reps):
+        if "save" in cfg.only:  # free the disk before the storage test
+            for p in ckpt.values():
+                ctx.rmtree(p)
+        res.setdefault("bw", []).extend(
+            dict(storage_bw(ctx, res["local_bytes"], t), rep=rep) for t in sorted({1, cfg.bw_threads}))
+        if "save" in cfg.only:
+            res.setdefault("save", []).append(sync_save(ctx, rep, sd, ckpt))
+        elif not ckpt:  # the loads need checkpoints: save once, untimed
+            sync_save(ctx, rep, sd, ckpt)
+        if "async" in cfg.only:
+            res.setdefault("async", []).append(async_save(ctx, rep, sd, stager))
+        if "load" in cfg.only:
+            res.setdefault("load", []).append(same_layout_load(ctx, rep, ckpt, sd))
+        if "S0_to_S1" in pairs:
+            res.setdefault("pairs", {}).setdefault("S0_to_S1", []).append(load_pair(
+                ctx, rep, ckpt, lambda: make_target("shard1", sd, mesh, device),
+                lambda t: verify_checksums(t, ref, True)))
+        if rank == 0:
+            print(f"[{time.strftime('%H:%M:%S')}] {shape} rep {rep} done", flush=True)
+    stager.close()
+    zarrckpt.release_staging()
+    dump(ctx, sdir, f"ckpt_w{cfg.world}.json", ckpt)
+    if not (set(pairs) - {"S0_to_S1"}) and not cfg.keep:  # no later load needs them
+        for p in ckpt.values():
+            ctx.rmtree(p)
+    with open(os.path.join(sdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def one_rank_worker(_, cfg, outdir):
-    """Resharded load onto 1 process, no process group: plain full-shape CPU tensors."""
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    with open(os.path.join(outdir, "ckpt.json")) as f:
-        ckpt = json.load(f)
-    ctx = Ctx(0, cfg, torch.device("cpu"), distributed=False)
-    skel = read_skeleton(outdir)["skeleton"]
-    out = [load_pair(ctx, rep, ckpt, lambda: tmap(lambda m: torch.zeros(m.shape, dtype=m.dtype), skel),
-                     lambda t: verify_ref(t, outdir), no_dist=True) for rep in range(cfg.reps)]
-    with open(os.path.join(outdir, "reshard1.json"), "w") as f:
+def small_worker(rank, cfg, port, sdir):
+    """``--small-tensors`` replicated tiny tensors: the writer-thread sweep, then save and
+    load per rep."""
+    ctx, _ = setup(rank, cfg, port)
+    sd = small_state(cfg.small_tensors, ctx.device)
+    out = {"rank": rank, "payload_bytes": sizes(sd)[0], "save": [], "load": []}
+    out["sweep"] = sweep_threads(ctx, sd, "small")
+    for rep in range(cfg.reps):
+        ckpt: dict = {}
+        out["save"].append(sync_save(ctx, rep, sd, ckpt, tag="small"))
+        out["load"].append(same_layout_load(ctx, rep, ckpt, sd))
+        for p in ckpt.values():
+            ctx.rmtree(p)
+    with open(os.path.join(sdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def read_ranks(sdir, prefix, n):
+    out = []
+    for r in range(n):
+        with open(os.path.join(sdir, f"{prefix}rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def run_shape(cfg, outdir, shape) -> dict:
+    """The shape's own spawn, then the resharding jobs (other world sizes)."""
+    sdir = os.path.join(outdir, shape)
+    os.makedirs(sdir)
+    print(f"[{time.strftime('%H:%M:%S')}] shape {shape}", flush=True)
+    mp.spawn(shape_worker, args=(cfg, free_port(), sdir, shape), nprocs=cfg.world)
+    ranks = read_ranks(sdir, "", cfg.world)
+    pairs = wanted_pairs(cfg.only)
+    out = {"ranks": ranks, "pairs": {}}
+    if "S0_to_S1" in pairs:
+        out["pairs"]["S0_to_S1"] = {"world": cfg.world, "device": cfg.device,
+                                    "ranks": [r["pairs"]["S0_to_S1"] for r in ranks]}
+    gpus = torch.cuda.device_count() if cfg.device == "cuda" else 0
+    for job in jobs(cfg, shape, pairs, gpus) if set(pairs) - {"S0_to_S1"} else []:
+        print(f"[{time.strftime('%H:%M:%S')}] {shape}: {job['name']} on {job['world']} rank(s), "
+              f"{job['device']}", flush=True)
+        mp.spawn(pair_worker, args=(cfg, free_port(), sdir, job), nprocs=job["world"])
+        recs = read_ranks(sdir, f"job_{job['name']}_", job["world"])
+        for name in job["loads"]:
+            out["pairs"][name] = {"world": job["world"], "device": job["device"],
+                                  "ranks": [r[name] for r in recs]}
+        if job.get("save"):
+            out["save_w1"] = recs[0]["save_w1"]
+    return out
 
 
 def machine_info(cfg) -> dict:
@@ -516,12 +339,21 @@ def machine_info(cfg) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--state-gb", type=float, default=2.0, help="params + exp_avg + exp_avg_sq, in GB")
+    ap.add_argument("--state-gb", type=float, default=2.0,
+                    help="params + exp_avg + exp_avg_sq per shape, in GB (sets the number of blocks)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", required=True, help="new or empty scratch directory (local disk, /dev/shm/...)")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--shape", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--hidden", type=int, default=0, help="width H (default 4096; linear: less for tiny states)")
+    ap.add_argument("--vocab", type=int, default=131072, help="transformer: embedding rows")
+    ap.add_argument("--experts", type=int, default=32, help="moe: experts per block")
+    ap.add_argument("--expert-hidden", type=int, default=0, help="moe: expert width F (default H/4)")
+    ap.add_argument("--dcp-threads", default="1,2,4,8,16", help="FileSystemWriter thread counts swept")
+    ap.add_argument("--sweep-reps", type=int, default=0, help="saves per thread count in the sweep (default --reps)")
+    ap.add_argument("--dcp-stager", choices=["reuse", "per-save"], default="reuse",
+                    help="dcp_best async: one DefaultStager for all saves of a shape, or one per save")
     ap.add_argument("--small-tensors", type=int, default=10000)
-    ap.add_argument("--hidden", type=int, default=0, help="Linear width (default 4096; less for tiny states)")
     ap.add_argument("--bw-threads", type=int, default=0,
                     help="threads per rank of the storage test besides 1 (default: zarrckpt's file_io_concurrency)")
     ap.add_argument("--sim-tensors", type=int, default=1000)
@@ -533,6 +365,11 @@ def parse_args(argv=None):
     cfg.only = [s.strip() for s in cfg.only.split(",") if s.strip()]
     if unknown := set(cfg.only) - set(SECTIONS):
         ap.error(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+    cfg.shapes = [s.strip() for s in cfg.shape.split(",") if s.strip()]
+    if unknown := set(cfg.shapes) - set(SHAPES):
+        ap.error(f"unknown shape(s) {sorted(unknown)}; choose from {SHAPES}")
+    cfg.dcp_threads = sorted({int(t) for t in cfg.dcp_threads.split(",")})
+    cfg.sweep_reps = cfg.sweep_reps or cfg.reps
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.world:
         ap.error(f"--world {cfg.world} needs as many GPUs; {torch.cuda.device_count()} visible")
     if not cfg.bw_threads:
@@ -544,25 +381,26 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
+    t_start = now()
     os.makedirs(cfg.dir, exist_ok=True)
     if os.listdir(cfg.dir):
         sys.exit(f"--dir {cfg.dir} is not empty; give a new or empty directory")
     outdir = os.path.join(cfg.dir, "_results")
     os.makedirs(outdir)
     info = machine_info(cfg)
-    ranks, reshard1, sim = [], None, None
-    if set(cfg.only) - {"sim"}:
-        mp.spawn(dist_worker, args=(cfg, free_port(), outdir), nprocs=cfg.world)
-        for r in range(cfg.world):
-            with open(os.path.join(outdir, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        if "reshard" in cfg.only:
-            mp.spawn(one_rank_worker, args=(cfg, outdir), nprocs=1)
-            with open(os.path.join(outdir, "reshard1.json")) as f:
-                reshard1 = json.load(f)
+    shapes, small, sim = {}, None, None
+    if set(cfg.only) & STATE_SECTIONS:
+        for shape in cfg.shapes:
+            shapes[shape] = run_shape(cfg, outdir, shape)
+    if "small" in cfg.only:
+        sdir = os.path.join(outdir, "small")
+        os.makedirs(sdir)
+        mp.spawn(small_worker, args=(cfg, free_port(), sdir), nprocs=cfg.world)
+        small = read_ranks(sdir, "", cfg.world)
     if "sim" in cfg.only:
         sim = run_sim(cfg.sim_tensors, cfg.sim_coords)
-    text, raw = report(cfg, ranks, reshard1, sim, info)
+    info["wall_s"] = now() - t_start
+    text, raw = report(cfg, shapes, small, sim, info)
     print(text)
     out = cfg.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                   f"results-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -1,16 +1,19 @@
 """Markdown tables and combined numbers from the per-rank records of bench.py.
 
 Conventions: seconds of a phase = the slowest rank's (every phase is timed between
-barriers); speedup vs DCP = median over reps of (DCP seconds / zarrckpt seconds), so
-> 1 means zarrckpt is faster; GB/s = the state's global bytes / median seconds.
+barriers); "zarrckpt speedup" of a system = median over reps of (that system's seconds /
+zarrckpt's seconds in the same rep), so > 1 means zarrckpt is faster; GB/s = the state's
+global bytes / median seconds; GB = 10^9 bytes.
 """
 
 from __future__ import annotations
 
 import statistics
 
-SYSTEMS = ("zc", "dcp")
-NAMES = {"zc": "zarrckpt", "dcp": "DCP"}
+SYSTEMS = ("zc", "dcp")  # the two systems of bench_s3.py (and harness.Ctx's default)
+BENCH_SYSTEMS = ("zc", "dcp", "dcp_best")  # bench.py: zarrckpt, DCP defaults, DCP at its best
+NAMES = {"zc": "zarrckpt", "dcp": "DCP defaults", "dcp_best": "DCP best"}
+SPEEDUP = "zarrckpt speedup (this s / zarrckpt s, >1: zarrckpt faster)"
 
 
 def median(xs):
@@ -18,104 +21,220 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def combine(ranks, section, key=None):
-    """Per rep and system, over ranks: seconds and RSS = max; I/O bytes summed; files from
-    rank 0."""
-    get = (lambda r: r[section]) if key is None else (lambda r: r[section][key])
+def human(n) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def systems_of(rows) -> list[str]:
+    return [s for s in BENCH_SYSTEMS if rows and s in rows[0]]
+
+
+def combine(per_rank) -> list[dict]:
+    """``per_rank[r][i]`` = rank r's record of rep i ({"rep", "order", system: record}).
+    Per rep and system, over ranks: seconds, blocked, may_change and RSS = max; I/O bytes
+    summed; files from rank 0; verified = all ranks."""
     out = []
-    for i in range(len(get(ranks[0]))):
-        row = {"rep": i}
-        for s in SYSTEMS:
-            recs = [get(r)[i][s] for r in ranks]
+    for i, row0 in enumerate(per_rank[0]):
+        row = {"rep": row0["rep"], "order": row0.get("order")}
+        for s in BENCH_SYSTEMS:
+            if s not in row0:
+                continue
+            recs = [pr[i][s] for pr in per_rank]
+            reports = [r.get("report") or {} for r in recs]
             row[s] = {"seconds": max(r["seconds"] for r in recs),
                       "blocked": max(r.get("blocked", 0) for r in recs),
                       "may_change": max(r.get("may_change", r.get("blocked", 0)) for r in recs),
                       "rss_peak_mb": max(r["rss_peak_mb"] for r in recs),
+                      "rss_retained_mb": max(r.get("rss_retained_mb", 0) for r in recs),
                       **{k: sum(r.get(k, 0) for r in recs) for k in ("rchar", "read_bytes", "bytes_needed")},
-                      "fetched": sum((r.get("report") or {}).get("bytes_fetched", 0) for r in recs),
+                      "fetched": sum(p.get("bytes_fetched", 0) for p in reports) if s == "zc" else None,
+                      "zc_needed": sum(p.get("bytes_needed", 0) for p in reports) if s == "zc" else None,
                       "files": recs[0].get("files"), "disk_bytes": recs[0].get("disk_bytes"),
                       "verified": all(r.get("verified", True) for r in recs)}
         out.append(row)
     return out
 
 
-def table(title, rows, payload, field="seconds", io=False, bw=None):
-    """Markdown, medians over reps; speedup = median over reps of (DCP s / zarrckpt s)."""
-    head = ["system", f"{ {'blocked': 'blocked ', 'may_change': 'until state may change: '}.get(field, '')}seconds (median)",
-            "GB/s", "speedup vs DCP (>1: zarrckpt faster)",
-            "peak RSS Δ MB (max)", "files (bytes on disk)"]
-    head += ["bytes needed", "bytes read (rchar)", "read / needed", "zarrckpt-reported fetched"] if io else []
-    head += ["% of storage write BW"] if bw else []
-    lines = [f"\n### {title}\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for s in SYSTEMS:
-        med = median([r[s][field] for r in rows])
-        ratio = median([r["dcp"][field] / r["zc"][field] for r in rows if r["zc"][field]]) if s == "zc" else None
+def ratio(rows, s, field="seconds"):
+    """Median over reps of (system s / zarrckpt) in the same rep."""
+    return median([r[s][field] / r["zc"][field] for r in rows if r["zc"][field]])
+
+
+def name(rows, s) -> str:
+    return NAMES[s] + ("" if all(r[s]["verified"] for r in rows) else " (VERIFY FAILED)")
+
+
+def f3(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def f2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def row_line(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def header(title, head) -> list[str]:
+    return [f"\n#### {title}\n", row_line(head), "|" + "---|" * len(head)]
+
+
+def table(title, rows, payload, io=False, bw=None, bw_kind="write") -> str:
+    """One row per system: medians over reps, speedups, % of the same rep's best storage
+    bandwidth (``bw``: rep -> bytes/s), RSS, files; for loads the bytes needed/read."""
+    head = ["system", "seconds (median)", "GB/s", SPEEDUP]
+    head += [f"% of storage {bw_kind} BW"] if bw else []
+    head += ["peak RSS Δ MB (max)", "files (bytes on disk)"]
+    head += ["bytes needed", "read (rchar)", "rchar / needed", "zarrckpt fetched (report)",
+             "fetched / needed"] if io else []
+    lines = header(title, head)
+    for s in systems_of(rows):
+        med = median([r[s]["seconds"] for r in rows])
         files, disk = rows[-1][s].get("files"), rows[-1][s].get("disk_bytes")
-        cells = [NAMES[s] + ("" if all(r[s]["verified"] for r in rows) else " (VERIFY FAILED)"),
-                 f"{med:.3f}", f"{payload / med / 1e9:.2f}" if med else "-", f"{ratio:.2f}" if ratio else "-",
-                 f"{max(r[s]['rss_peak_mb'] for r in rows):.0f}", "-" if files is None else f"{files} ({disk / 1e6:.1f} MB)"]
+        cells = [name(rows, s), f3(med), f2(payload / med / 1e9) if med else "-",
+                 "—" if s == "zc" else f2(ratio(rows, s))]
+        if bw:
+            cells.append(f"{100 * median([payload / r[s]['seconds'] / bw[r['rep']] for r in rows]):.0f}%")
+        cells += [f"{max(r[s]['rss_peak_mb'] for r in rows):.0f}",
+                  "-" if files is None else f"{files} ({human(disk)})"]
         if io:
             need, got = median([r[s]["bytes_needed"] for r in rows]), median([r[s]["rchar"] for r in rows])
             fetched = median([r[s].get("fetched") for r in rows])
-            cells += [f"{need / 1e6:.1f} MB", f"{got / 1e6:.1f} MB", f"{got / need:.2f}" if need else "-",
-                      f"{fetched / 1e6:.1f} MB" if fetched else "-"]
-        if bw:
-            cells.append(f"{100 * median([payload / r[s]['seconds'] / bw[r['rep']] for r in rows]):.0f}%")
-        lines.append("| " + " | ".join(cells) + " |")
+            cells += [human(need), human(got), f2(got / need) if need else "-",
+                      human(fetched) if fetched is not None else "-",
+                      f2(fetched / need) if fetched is not None and need else "-"]
+        lines.append(row_line(cells))
+    return "\n".join(lines)
+
+
+def async_table(title, rows, payload) -> str:
+    head = ["system", "blocked s (call returns)", "may change s (staging done)", "total s (committed)",
+            "staging GB/s (state / may change)", "zarrckpt speedup: blocked", "may change", "total",
+            "peak RSS Δ MB (max)", "retained MB (max)"]
+    lines = header(title, head)
+    for s in systems_of(rows):
+        b, m, t = (median([r[s][k] for r in rows]) for k in ("blocked", "may_change", "seconds"))
+        cells = [name(rows, s), f3(b), f3(m), f3(t), f2(payload / m / 1e9) if m else "-"]
+        cells += ["—"] * 3 if s == "zc" else [f2(ratio(rows, s, k)) for k in ("blocked", "may_change", "seconds")]
+        cells += [f"{max(r[s]['rss_peak_mb'] for r in rows):.0f}",
+                  f"{max(r[s]['rss_retained_mb'] for r in rows):.0f}"]
+        lines.append(row_line(cells))
     return "\n".join(lines)
 
 
 def bw_table(ranks):
-    """Aggregate bandwidth per (rep, threads): all ranks' bytes / slowest rank's time."""
+    """Aggregate bandwidth per (rep, threads): all ranks' bytes / slowest rank's time.
+    Also the best write and read bandwidth of each rep (bytes/s)."""
     agg = {}
     for r in ranks:
         for b in r["bw"]:
             e = agg.setdefault((b["rep"], b["threads"]), {"bytes": 0, "w": 0, "r": 0})
             e["bytes"] += b["bytes"]
             e["w"], e["r"] = max(e["w"], b["write_s"]), max(e["r"], b["read_s"])
-    lines = ["\n### Storage bandwidth (plain fsynced sequential I/O, same bytes per rank)\n",
-             "| threads per rank | write GB/s (median) | read GB/s (median) |", "|---|---|---|"]
+    lines = header("Storage bandwidth (plain fsynced sequential I/O, same bytes per rank)",
+                   ["threads per rank", "write GB/s (median)", "read GB/s (median)"])
     for t in sorted({k[1] for k in agg}):
         es = [e for k, e in agg.items() if k[1] == t]
         lines.append(f"| {t} | {median([e['bytes'] / e['w'] / 1e9 for e in es]):.2f} | "
                      f"{median([e['bytes'] / e['r'] / 1e9 for e in es]):.2f} |")
-    best = {}  # best write bandwidth of each rep (bytes/s), for "% of storage write BW"
+    best_w, best_r = {}, {}
     for (rep, _), e in agg.items():
-        best[rep] = max(best.get(rep, 0), e["bytes"] / e["w"])
-    return "\n".join(lines), best
+        best_w[rep] = max(best_w.get(rep, 0), e["bytes"] / e["w"])
+        best_r[rep] = max(best_r.get(rep, 0), e["bytes"] / e["r"])
+    return "\n".join(lines), best_w, best_r
 
 
-def report(cfg, ranks, reshard1, sim, info) -> tuple[str, dict]:
-    out = [f"## zarrckpt vs DCP — {info['device_desc']}, world {cfg.world}, {cfg.dir} ({info['fs_type']}), "
-           f"{cfg.reps} reps, page cache: {info['drop_caches']}"]
-    raw = {"machine": info, "ranks": ranks}
-    if ranks and "payload_bytes" in ranks[0]:
-        p = ranks[0]["payload_bytes"]
-        out.append(f"\nState: {p / 1e9:.2f} GB in {ranks[0]['tensors']} tensors "
-                   f"(model {ranks[0]['model']}), fp32, FSDP2 Shard(0) + AdamW.")
-        text, best = bw_table(ranks)
+def sweep_table(title, sweep, payload, stager=None) -> str:
+    lines = header(title, ["FileSystemWriter thread_count", f"sync save s (median of {len(next(iter(sweep['seconds'].values())))})",
+                           "GB/s", "chosen for DCP best"])
+    for t, med in sorted(sweep["median"].items(), key=lambda kv: int(kv[0])):
+        lines.append(row_line([t, f3(med), f2(payload / med / 1e9), "yes" if int(t) == sweep["chosen"] else ""]))
+    if stager:
+        lines.append(f"\nDCP best async: {stager}")
+    return "\n".join(lines)
+
+
+def pairs_table(cfg, pairs, info) -> tuple[str, dict]:
+    """One row per (pair, system): seconds, speedup, bytes needed vs fetched."""
+    from reshard import PAIRS, pair_info
+
+    head = ["pair", "loaded on", "system", "seconds (median)", SPEEDUP, "bytes needed",
+            "zarrckpt fetched (report)", "fetched / needed", "read (rchar)", "rchar / needed"]
+    lines = header("Resharded loads (checkpoint saved on one layout, loaded on another)", head)
+    combined = {}
+    for p in PAIRS:
+        if p not in pairs:
+            continue
+        rows = combined[p] = combine(pairs[p]["ranks"])
+        dev = pairs[p]["device"]
+        where = f"{pairs[p]['world']} rank(s), {dev}"
+        if cfg.device == "cuda" and dev == "cpu":
+            where += f" (CPU targets over gloo: {info.get('gpus', 0)} GPUs < {pairs[p]['world']} ranks)"
+        for s in systems_of(rows):
+            need, got = median([r[s]["bytes_needed"] for r in rows]), median([r[s]["rchar"] for r in rows])
+            fetched = median([r[s].get("fetched") for r in rows])
+            lines.append(row_line([
+                pair_info(p, cfg.world)["label"], where, name(rows, s), f3(median([r[s]["seconds"] for r in rows])),
+                "—" if s == "zc" else f2(ratio(rows, s)), human(need),
+                human(fetched) if fetched is not None else "-",
+                f2(fetched / need) if fetched is not None and need else "-", human(got), f2(got / need) if need else "-"]))
+    return "\n".join(lines), combined
+
+
+def shape_section(cfg, shape, data, info) -> tuple[str, dict]:
+    ranks = data["ranks"]
+    r0 = ranks[0]
+    p, st = r0["payload_bytes"], r0["stats"]
+    out = [f"\n### Shape `{shape}`: {p / 1e9:.2f} GB of fp32 state, FSDP2 Shard(0) + AdamW",
+           f"\nModel {r0['model']}. {st['tensors']} tensors ({st['scalars']} of them AdamW's 0-d `step`); "
+           f"per-rank bytes of the others: min {human(st['local_bytes_min'])}, median "
+           f"{human(st['local_bytes_median'])}, max {human(st['local_bytes_max'])}."]
+    raw: dict = {"combined": {}}
+    text, best_w, best_r = bw_table(ranks)
+    out.append(text)
+    stager = (f"`DefaultStager(StagingOptions(use_pinned_memory={cfg.device == 'cuda'}, use_shared_memory=False, "
+              f"use_async_staging=True, use_non_blocking_copy={cfg.device == 'cuda'}))`, "
+              f"{'one reused for every save of the shape (staged once, untimed, before rep 0)' if cfg.dcp_stager == 'reuse' else 'a new one per save'}")
+    out.append(sweep_table(f"DCP writer-thread sweep (`{shape}`)", r0["sweep"], p, stager))
+    for sec, title in (("save", "Sync save"), ("async", "Async save"), ("load", "Load, same layout")):
+        if sec not in r0:
+            continue
+        rows = raw["combined"][sec] = combine([r[sec] for r in ranks])
+        title = f"{title} (`{shape}`)"
+        if sec == "save":
+            out.append(table(title, rows, p, bw=best_w))
+        elif sec == "async":
+            out.append(async_table(title, rows, p))
+        else:
+            out.append(table(title, rows, p, io=True, bw=best_r, bw_kind="read"))
+    if data.get("pairs"):
+        text, raw["combined"]["pairs"] = pairs_table(cfg, data["pairs"], info)
         out.append(text)
-        for sec, title, kw in [("save", "Sync save", {"bw": best}),
-                               ("async", "Async save: blocked (until the call returns)", {"field": "blocked"}),
-                               ("async", "Async save: until the state may change (staging copies done)",
-                                {"field": "may_change"}),
-                               ("async", "Async save: total (until committed)", {}),
-                               ("load", "Load, same layout", {"io": True}),
-                               ("reshard2", "Resharded load: 2 ranks Shard(0) -> 2 ranks Shard(1)", {"io": True})]:
-            if sec in ranks[0]:
-                rows = raw.setdefault(f"combined_{sec}", combine(ranks, sec))
-                out.append(table(title, rows, p, **kw))
-        if reshard1:
-            raw["reshard1"] = reshard1
-            rows = [{"rep": r["rep"], **{s: dict(r[s], fetched=(r[s].get("report") or {}).get("bytes_fetched"))
-                                         for s in SYSTEMS}} for r in reshard1]
-            out.append(table("Resharded load: 2 ranks Shard(0) -> 1 process, plain full tensors", rows, p, io=True))
-    if ranks and "small" in ranks[0]:
-        p = ranks[0]["small"]["payload_bytes"]
+    return "\n".join(out), raw
+
+
+def report(cfg, shapes, small, sim, info) -> tuple[str, dict]:
+    out = [f"## zarrckpt vs DCP — {info['device_desc']}, world {cfg.world}, {cfg.dir} ({info['fs_type']}), "
+           f"{cfg.reps} reps, page cache: {info['drop_caches']}, wall {info.get('wall_s', 0):.0f} s"]
+    raw: dict = {"machine": info, "shapes": {}}
+    for shape, data in shapes.items():
+        text, extra = shape_section(cfg, shape, data, info)
+        out.append(text)
+        raw["shapes"][shape] = dict(data, **extra)
+    if small:
+        p = small[0]["payload_bytes"]
+        out.append(f"\n### {cfg.small_tensors} replicated tensors of 1-16 KB ({p / 1e6:.1f} MB)")
+        out.append(sweep_table("DCP writer-thread sweep (small tensors)", small[0]["sweep"], p))
+        raw["small"] = {"ranks": small, "combined": {}}
         for k in ("save", "load"):
-            rows = raw.setdefault(f"combined_small_{k}", combine(ranks, "small", k))
-            out.append(table(f"{cfg.small_tensors} replicated tensors of 1-16 KB ({p / 1e6:.1f} MB): {k}",
-                             rows, p, io=k == "load"))
+            rows = raw["small"]["combined"][k] = combine([r[k] for r in small])
+            out.append(table(f"Small tensors: {k}", rows, p, io=k == "load"))
     if sim:
         raw["sim"] = sim
         out.append(f"\n### Planning for {sim['tensors']} tensors on mesh {sim['mesh']} (8,192 ranks)\n\n"

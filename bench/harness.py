@@ -1,0 +1,382 @@
+"""What every benchmark process shares: host measurements (page cache, /proc/self/io, RSS),
+state helpers, the timed-phase context (``Ctx``), each system's save/load call, and the
+layout-independent checksums that verify resharded loads."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor, Replicate
+
+import zarrckpt
+from report import SYSTEMS
+
+BW_BLOCK = 8 << 20
+now = time.perf_counter
+
+
+# ----------------------------------------------------------------- host helpers
+
+def fs_type(path: str) -> str:
+    path, best, kind = os.path.realpath(path), "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mnt, typ = line.split()[:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+def drop_caches(path: str) -> str:
+    """Drop the page cache (needs root); skipped on tmpfs, whose data lives in memory."""
+    if fs_type(path) in ("tmpfs", "ramfs"):
+        return "skipped (tmpfs)"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "dropped"
+    except OSError as e:
+        return f"not permitted ({e.strerror})"
+
+
+def proc_io() -> dict[str, int]:
+    """rchar: bytes returned by read syscalls (page cache included); read_bytes: block device."""
+    try:
+        with open("/proc/self/io") as f:
+            rows = dict(line.split(": ") for line in f.read().splitlines())
+        return {"rchar": int(rows["rchar"]), "read_bytes": int(rows["read_bytes"])}
+    except OSError:
+        return {"rchar": 0, "read_bytes": 0}
+
+
+class RssMonitor:
+    """Samples VmRSS every 20 ms; ``phase()`` yields a dict that receives the peak above the
+    phase's starting RSS and what the phase left allocated (MB)."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.peak, self.lock, self.interval = 0, threading.Lock(), interval
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+
+    def _run(self) -> None:
+        while True:
+            v = self.rss()
+            with self.lock:
+                self.peak = max(self.peak, v)
+            time.sleep(self.interval)
+
+    @contextlib.contextmanager
+    def phase(self):
+        base = self.rss()
+        with self.lock:
+            self.peak = base
+        rec: dict = {}
+        yield rec
+        end = self.rss()
+        with self.lock:
+            peak = max(self.peak, end)
+        rec["rss_peak_mb"], rec["rss_retained_mb"] = (peak - base) / 2**20, (end - base) / 2**20
+
+
+def dir_stats(path: str) -> tuple[int, int]:
+    """(files, bytes) under ``path``."""
+    files = size = 0
+    for root, _, names in os.walk(path):
+        files += len(names)
+        size += sum(os.path.getsize(os.path.join(root, n)) for n in names)
+    return files, size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_dist(rank: int, world: int, port: int, device_kind: str, threads_of: int):
+    """Process group of ``world`` ranks (NCCL on CUDA, gloo on CPU) plus a gloo side group
+    (DCP's async save can deadlock on the default group; also used for small agreements).
+    Returns (device, gloo group)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // threads_of))
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(hours=1),
+                            device_id=device if device_kind == "cuda" else None)
+    return device, dist.new_group(backend="gloo")
+
+
+# ------------------------------------------------------------- state helpers
+
+def tmap(fn, obj):
+    """Map ``fn`` over the tensor leaves of a nested dict/list/tuple; deep-copy the rest."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: tmap(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tmap(fn, v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def leaves(obj, prefix=()):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            yield from leaves(v, prefix + (k,))
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def bit_equal(a, b) -> bool:
+    a, b = a.detach().contiguous(), b.detach().to(a.device).contiguous()
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def get_at(obj, path):
+    for p in path:
+        obj = obj[p]
+    return obj
+
+
+def sizes(sd) -> tuple[int, int]:
+    """(global bytes of the state's tensors, bytes held by this rank)."""
+    ts = [t for _, t in leaves(sd)]
+    return (sum(t.numel() * t.element_size() for t in ts),
+            sum(local(t).numel() * t.element_size() for t in ts))
+
+
+# ------------------------------------------------------------------ checksums
+
+_M1, _M2 = 0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64)  # odd 64-bit constants
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _digest(x: torch.Tensor, offsets, gshape) -> int:
+    """Sum over the elements of a box of a tensor (``x`` = the box, at ``offsets`` in a
+    tensor of ``gshape``) of ((bits XOR global_index * M2) * M1) mod 2^64. Summed over
+    disjoint boxes that cover a tensor, it is the same whatever the boxes: a changed bit,
+    or a value at a wrong position, changes it (up to 2^-64 collisions)."""
+    if x.numel() == 0:
+        return 0
+    x = x.detach().contiguous()
+    ncol = x.shape[-1] if x.dim() else 1
+    bits = x.view(_INT[x.element_size()]).reshape(-1, ncol)
+    gstride = [1] * len(gshape)
+    for d in range(len(gshape) - 2, -1, -1):
+        gstride[d] = gstride[d + 1] * gshape[d + 1]
+    rows = torch.arange(bits.shape[0], device=x.device)
+    base = torch.zeros_like(rows)
+    for d in range(x.dim() - 2, -1, -1):  # global offset of each local row
+        base += (rows % x.shape[d] + offsets[d]) * gstride[d]
+        rows = rows // x.shape[d]
+    col = torch.arange(ncol, device=x.device) + (offsets[-1] if x.dim() else 0)
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    step = max(1, (8 << 20) // ncol)
+    for a in range(0, bits.shape[0], step):
+        g = base[a:a + step, None] + col[None, :]
+        total += ((bits[a:a + step].to(torch.int64) ^ (g * _M2)) * _M1).sum()
+    return int(total)
+
+
+def _box(t):
+    """(local data, global offsets, global shape, counted here?) of a tensor leaf; a
+    replicated copy is counted by one rank only."""
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        coord = t.device_mesh.get_coordinate() or []
+        counted = all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
+        return t.to_local(), offsets, tuple(t.shape), counted
+    counted = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return t, (0,) * t.dim(), tuple(t.shape), counted
+
+
+def checksums(sd, distributed: bool) -> dict[str, int]:
+    """Per tensor key, the layout-independent checksum of all its elements (collective
+    over the default group when ``distributed``)."""
+    keys, vals = [], []
+    for path, t in leaves(sd):
+        x, offsets, gshape, counted = _box(t)
+        keys.append("/".join(map(str, path)))
+        vals.append(_digest(x, offsets, gshape) if counted else 0)
+    if distributed:
+        dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else "cpu"
+        v = torch.tensor(vals, dtype=torch.int64, device=dev)
+        dist.all_reduce(v)
+        vals = v.tolist()
+    return dict(zip(keys, vals))
+
+
+def verify_checksums(target, ref: dict[str, int], distributed: bool) -> bool:
+    got = checksums(target, distributed)
+    return got.keys() == ref.keys() and all(got[k] == ref[k] for k in ref)
+
+
+# ------------------------------------------------------------------- harness
+
+def rotate(seq, rep: int) -> list:
+    """The order of rep ``rep``: rotated by one each rep (for two, alternating)."""
+    k = rep % len(seq)
+    return list(seq[k:]) + list(seq[:k])
+
+
+class Ctx:
+    """One process's view: barriers (when distributed), page-cache drops, timed phases.
+    ``systems``: those every timed pair runs (default zarrckpt and DCP, as bench_s3.py
+    uses it); ``dcp_threads``: the FileSystemWriter thread count of the ``dcp_best`` system."""
+
+    def __init__(self, rank, cfg, device, distributed=True, systems=SYSTEMS):
+        self.rank, self.cfg, self.device, self.distributed = rank, cfg, device, distributed
+        self.systems = tuple(systems)
+        self.mon = RssMonitor()
+        self.dcp_threads = 1
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.distributed:
+            dist.barrier()
+
+    def drop(self) -> str:
+        status = drop_caches(self.cfg.dir) if self.rank == 0 else ""
+        self.sync()
+        return status
+
+    def rmtree(self, path):
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self.sync()
+
+    def measure(self, fn) -> dict:
+        """Barrier, run ``fn``, barrier: seconds, RSS peak/retained, /proc/self/io deltas,
+        plus whatever dict ``fn`` returns."""
+        self.sync()
+        io0 = proc_io()
+        with self.mon.phase() as rec:
+            t0 = now()
+            extra = fn()
+            self.sync()
+            rec["seconds"] = now() - t0
+        io1 = proc_io()
+        rec.update({k: io1[k] - io0[k] for k in io0})
+        rec.update(extra if isinstance(extra, dict) else {})
+        return rec
+
+    def pair(self, rep, prepare, after=None) -> dict:
+        """Every system once, in an order rotated by one each rep (two systems: zarrckpt
+        first on even reps). ``prepare(system)`` (untimed) returns the callable to time;
+        ``after(system, record)`` verifies / cleans up (untimed)."""
+        order = rotate(self.systems, rep)
+        out = {"rep": rep, "order": order}
+        for s in order:
+            fn = prepare(s)
+            out[s] = self.measure(fn)
+            if after:
+                after(s, out[s])
+        return out
+
+
+def storage_bw(ctx: Ctx, nbytes: int, threads: int) -> dict:
+    """Plain sequential writes of ``nbytes`` per rank spread over ``threads`` files (8 MiB
+    writes, fsync per file), then reads of them after dropping the page cache."""
+    d = os.path.join(ctx.cfg.dir, "bw")
+    os.makedirs(d, exist_ok=True)
+    paths = [os.path.join(d, f"r{ctx.rank}_t{i}") for i in range(threads)]
+    per = max(nbytes // threads, 1)
+    block = memoryview(os.urandom(BW_BLOCK))
+
+    def write(p):
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        left = per
+        while left:
+            left -= os.write(fd, block[:min(BW_BLOCK, left)])
+        os.fsync(fd)
+        os.close(fd)
+
+    def read(p):
+        buf = bytearray(BW_BLOCK)
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    with ThreadPoolExecutor(threads) as pool:
+        w = ctx.measure(lambda: list(pool.map(write, paths)))
+        drop = ctx.drop()
+        r = ctx.measure(lambda: list(pool.map(read, paths)))
+    for p in paths:
+        os.remove(p)
+    ctx.sync()
+    return {"threads": threads, "bytes": per * threads, "write_s": w["seconds"], "read_s": r["seconds"],
+            "drop": drop}
+
+
+# ------------------------------------------------------------ the systems' calls
+
+def saver(ctx: Ctx, s: str, sd, path: str):
+    """The timed sync save of system ``s``: zarrckpt with no options; DCP with its
+    defaults (1 thread per rank); DCP best with ``ctx.dcp_threads`` writer threads."""
+    if s == "zc":
+        return lambda: {"report": zarrckpt.save(sd, path)}
+    if s == "dcp":
+        return lambda: dcp.save(sd, checkpoint_id=path)
+    return lambda: dcp.save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads))
+
+
+def loader(s: str, target, path: str, no_dist: bool = False):
+    """The timed load of system ``s``. Both DCP systems use ``FileSystemReader``, which has
+    no thread or other speed option in torch 2.13 (``dcp_best`` reads the checkpoint that
+    its tuned writer wrote)."""
+    if s != "zc":
+        return lambda: dcp.load(target, checkpoint_id=path, no_dist=no_dist)
+
+    def run():
+        rep: dict = {}
+        zarrckpt.load(target, path, report=rep)
+        return {"report": rep}
+    return run
+
+
+def load_pair(ctx: Ctx, rep: int, ckpt: dict, make_target, verify, no_dist: bool = False) -> dict:
+    """Each system loads its checkpoint into a fresh target (built untimed, cache dropped)."""
+    box = {}
+
+    def prepare(s):
+        t0 = now()
+        box["t"] = target = make_target()
+        t1 = now()
+        box["needed"], box["drop"] = sizes(target)[1], ctx.drop()
+        box["untimed"] = {"target_s": t1 - t0, "drop_s": now() - t1}
+        return loader(s, target, ckpt[s], no_dist)
+
+    def after(s, rec):
+        rec["bytes_needed"], rec["drop"] = box["needed"], box["drop"]
+        t0 = now()
+        rec["verified"] = bool(verify(box.pop("t")))
+        rec["untimed"] = dict(box["untimed"], verify_s=now() - t0)
+    return ctx.pair(rep, prepare, after)
