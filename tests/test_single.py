@@ -317,3 +317,25 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_plans_are_reused_across_saves_and_never_stale(tmp_path):
+    """A second save of the same structure reuses the plans of the first (planning is in the
+    blocking part of an async save); a change of shape, dtype or options is planned afresh."""
+    from zarrckpt import _plan
+
+    _plan._CACHE.clear()
+    sd = {f"w{i}": torch.randn(64, 32) for i in range(20)}
+    zarrckpt.save(sd, tmp_path / "a")
+    first = dict(_plan._CACHE)
+    assert len(first) == 20
+    zarrckpt.save({k: v + 1 for k, v in sd.items()}, tmp_path / "b")
+    assert _plan._CACHE == first  # every leaf a hit
+    changed = dict(sd, w0=torch.randn(64, 33), w1=sd["w1"].double())
+    zarrckpt.save(changed, tmp_path / "c", inner_chunk_bytes=1024)
+    assert len(_plan._CACHE) == 40  # new options: every leaf planned again
+    for name, want in [("b", {k: v + 1 for k, v in sd.items()}), ("c", changed)]:
+        got = zarrckpt.load_state_dict(tmp_path / name)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert zarrckpt.open(tmp_path / "c")["w0"].shape == (64, 33)
+    assert zarrckpt.open(tmp_path / "c")["w1"].dtype == np.float64

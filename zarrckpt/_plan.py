@@ -10,8 +10,9 @@ Executing a plan (copying, exchanging, writing) is ``_save.py``'s job.
 from __future__ import annotations
 
 import io
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -105,23 +106,48 @@ def _plan(key, kind, dt, layout, coord, mesh_ranks, attrs, source, options) -> A
                      _metadata(key, layout, dt, attrs, options), tuple(writes), tuple(sends), source)
 
 
-def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions) -> ArrayPlan:
-    """Check one array leaf and lay it out; errors name the key."""
+# Plans of earlier saves, by everything they are computed from (key, shape, dtype, mesh,
+# placements, coordinate, options): a training loop saves the same structure every time,
+# and planning thousands of leaves afresh would cost ~0.2 ms each in the blocking part of
+# an async save. Plans are immutable; a hit only gets the new leaf's data as its source.
+_CACHE: dict[tuple, tuple[ArrayPlan, Layout]] = {}
+_CACHE_MAX = 1 << 17
+
+
+def _cached(ck: tuple, build) -> ArrayPlan:
+    hit = _CACHE.get(ck)
+    if hit is None:
+        hit = build()
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[ck] = hit
+    return hit
+
+
+def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: Any = None) -> ArrayPlan:
+    """Check one array leaf and lay it out; errors name the key. ``okey``: a hashable form
+    of ``options`` (plans are then reused across saves, see ``_CACHE``)."""
     if zdist.is_dtensor(leaf):
         try:
             mesh_shape, names, placements, mesh_t, device_type, coord = zdist.dtensor_info(leaf)
         except UnsupportedPlacementError as e:
             raise UnsupportedPlacementError(f"tensor {key!r}: {e}") from None
         dt = checked_dtype(leaf.dtype, key)
-        layout = Layout(tuple(leaf.shape), mesh_shape, placements, key=key,
-                        replica_split_min_elems=_split_elems(options, dt))
-        local = None
-        if coord is not None:
-            local = checked_tensor(leaf.to_local(), key)
-            layout.check_local_shape(tuple(local.shape), coord, key)
-        attrs = fmt.array_attrs(kind="dtensor", save_id="", dtype=dt, mesh_shape=mesh_shape,
-                                mesh_dim_names=names, placements=placements, device_type=device_type)
-        return _plan(key, "dtensor", dt, layout, coord, mesh_t.reshape(-1).tolist(), attrs, local, options)
+        local = checked_tensor(leaf.to_local(), key) if coord is not None else None
+        mesh_ranks = tuple(mesh_t.reshape(-1).tolist())
+
+        def build() -> ArrayPlan:
+            layout = Layout(tuple(leaf.shape), mesh_shape, placements, key=key,
+                            replica_split_min_elems=_split_elems(options, dt))
+            attrs = fmt.array_attrs(kind="dtensor", save_id="", dtype=dt, mesh_shape=mesh_shape,
+                                    mesh_dim_names=names, placements=placements, device_type=device_type)
+            return _plan(key, "dtensor", dt, layout, coord, mesh_ranks, attrs, None, options)
+        ck = ("dtensor", key, tuple(leaf.shape), dt.zarr, tuple(mesh_shape), names and tuple(names),
+              tuple(placements), device_type, coord, mesh_ranks, okey)
+        plan = _cached(ck, build) if okey is not None else build()
+        if local is not None:
+            plan.layout.check_local_shape(tuple(local.shape), coord, key)
+        return replace(plan, source=local)
     if zdist.is_sharded_tensor(leaf):
         info = zdist.sharded_tensor_info(leaf, key)
         dt = checked_dtype(leaf.dtype, key)
@@ -150,17 +176,23 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions) -> Arra
         kind, dt, source = "bytesio", dtypes.by_zarr("uint8"), np.frombuffer(leaf.getvalue(), np.uint8)
     else:
         kind, dt, source = "bytes", dtypes.by_zarr("uint8"), np.frombuffer(bytes(leaf), np.uint8)
-    layout = Layout(tuple(source.shape), (g.size,), (Replicate(),), key=key,
-                    replica_split_min_elems=_split_elems(options, dt))
-    attrs = fmt.array_attrs(kind=kind, save_id="", dtype=dt)
-    return _plan(key, kind, dt, layout, (g.rank,), g.global_ranks(), attrs, source, options)
+
+    def build_plain() -> ArrayPlan:
+        layout = Layout(tuple(source.shape), (g.size,), (Replicate(),), key=key,
+                        replica_split_min_elems=_split_elems(options, dt))
+        attrs = fmt.array_attrs(kind=kind, save_id="", dtype=dt)
+        return _plan(key, kind, dt, layout, (g.rank,), g.global_ranks(), attrs, None, options)
+    ck = (kind, key, tuple(source.shape), dt.zarr, g.rank, tuple(g.global_ranks()), okey)
+    plan = _cached(ck, build_plain) if okey is not None else build_plain()
+    return replace(plan, source=source)
 
 
 def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[dict, list[ArrayPlan]]:
     """(the tree document, this rank's array plans sorted by key) of a resolved state dict.
     Every leaf is checked here, before anything touches storage."""
     tree = ztree.encode_tree(resolved, is_array_leaf)
-    plans = [plan_leaf(ztree.key_of(path), leaf, g, options)
+    okey = json.dumps(asdict(options), sort_keys=True, default=repr)
+    plans = [plan_leaf(ztree.key_of(path), leaf, g, options, okey)
              for path, leaf in ztree.flatten(resolved, is_array_leaf) if is_array_leaf(leaf)]
     plans.sort(key=lambda p: p.key)
     return tree, plans
