@@ -78,20 +78,53 @@ class DcpStager:
         self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
                                       use_non_blocking_copy=cuda)
         self.mode, self.stager = mode, None
+        self.fallback, self.error = False, None
 
     def get(self) -> DefaultStager:
+        if self.stager is None and self.fallback:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
         if self.stager is None:
             self.stager = DefaultStager(self.options)
         return self.stager
 
-    def warm(self, sd) -> None:
+    def warm(self, sd, ctx=None) -> None:
         """Stage once, untimed (as zarrckpt.reserve_staging): the cached storages exist
-        before rep 0."""
-        if self.mode == "reuse":
-            self.get().stage(sd).result()
+        before rep 0. With ``ctx``, a whole untimed async save: where this torch's
+        DefaultStager cannot stage the state (torch 2.11 fails to deep-copy DTensors:
+        ``KeyError: <class 'type'>``), fall back on every rank to DCP's next best,
+        ``BlockingAsyncStager(cache_staged_state_dict=True)`` (pinned, reused; it stages
+        before the call returns) and record why."""
+        if ctx is None:
+            if self.mode == "reuse":
+                self.get().stage(sd).result()
+            return
+        path = os.path.join(ctx.cfg.dir, "_dcp_warm")
+        failed = torch.zeros(1)
+        try:
+            fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads),
+                                 async_stager=self.get(), process_group=ctx.gloo)
+            getattr(fut, "upload_completion", fut).result()
+        except Exception as e:  # noqa: BLE001 - recorded, then the fallback is used
+            failed[0] = 1
+            self.error = f"{type(e).__name__}: {e}"
+        dist.all_reduce(failed, group=ctx.gloo)
+        ctx.rmtree(path)
+        if failed.item():
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            self.close()
+            self.fallback = True
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
+            fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads),
+                                 async_stager=self.stager, process_group=ctx.gloo)
+            fut.result()
+            ctx.rmtree(path)
 
     def cached(self) -> int:
-        return len(self.stager._state_dict_stager._cached_storage_mapping) if self.stager else 0
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        return len(inner._cached_storage_mapping) if inner is not None else 0
 
     def after_save(self) -> None:
         if self.mode == "per-save":
@@ -226,8 +259,10 @@ def shape_worker(rank, cfg, port, sdir, shape):
         zarrckpt.reserve_staging(sd)
         res["reserve_staging_s"] = now() - t0
         t0 = now()
-        stager.warm(sd)
+        stager.warm(sd, ctx)
         res["dcp_stager_warm_s"] = now() - t0
+        res["dcp_stager"] = ("BlockingAsyncStager(cache_staged_state_dict=True), because DefaultStager "
+                             f"failed: {stager.error}") if stager.fallback else f"DefaultStager({stager.options})"
     ckpt: dict = {}
     for rep in range(cfg.reps):
         if "save" in cfg.only:  # free the disk before the storage test

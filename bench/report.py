@@ -201,6 +201,8 @@ def shape_section(cfg, shape, data, info) -> tuple[str, dict]:
     stager = (f"`DefaultStager(StagingOptions(use_pinned_memory={cfg.device == 'cuda'}, use_shared_memory=False, "
               f"use_async_staging=True, use_non_blocking_copy={cfg.device == 'cuda'}))`, "
               f"{'one reused for every save of the shape (staged once, untimed, before rep 0)' if cfg.dcp_stager == 'reuse' else 'a new one per save'}")
+    if "BlockingAsyncStager" in str(r0.get("dcp_stager", "")):
+        stager = f"`{r0['dcp_stager']}`"
     out.append(sweep_table(f"DCP writer-thread sweep (`{shape}`)", r0["sweep"], p, stager))
     for sec, title in (("save", "Sync save"), ("async", "Async save"), ("load", "Load, same layout")):
         if sec not in r0:
