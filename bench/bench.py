@@ -78,7 +78,7 @@ class DcpStager:
         self.options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
                                       use_non_blocking_copy=cuda)
         self.mode, self.stager = mode, None
-        self.fallback, self.error = False, None
+        self.fallback, self.error = mode == "blocking", ("--dcp-stager blocking" if mode == "blocking" else None)
 
     def get(self) -> DefaultStager:
         if self.stager is None and self.fallback:
@@ -103,6 +103,8 @@ class DcpStager:
         path = os.path.join(ctx.cfg.dir, "_dcp_warm")
         failed = torch.zeros(1)
         try:
+            if self.fallback:
+                raise RuntimeError(self.error)
             fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads),
                                  async_stager=self.get(), process_group=ctx.gloo)
             getattr(fut, "upload_completion", fut).result()
@@ -386,8 +388,10 @@ def parse_args(argv=None):
     ap.add_argument("--expert-hidden", type=int, default=0, help="moe: expert width F (default H/4)")
     ap.add_argument("--dcp-threads", default="1,2,4,8,16", help="FileSystemWriter thread counts swept")
     ap.add_argument("--sweep-reps", type=int, default=0, help="saves per thread count in the sweep (default --reps)")
-    ap.add_argument("--dcp-stager", choices=["reuse", "per-save"], default="reuse",
-                    help="dcp_best async: one DefaultStager for all saves of a shape, or one per save")
+    ap.add_argument("--dcp-stager", choices=["reuse", "per-save", "blocking"], default="reuse",
+                    help="dcp_best async: one DefaultStager for all saves of a shape, or one per save; "
+                         "blocking: BlockingAsyncStager(cache_staged_state_dict=True) (torch 2.11's "
+                         "DefaultStager fails on DTensors: KeyError <class 'type'> in its deepcopy)")
     ap.add_argument("--small-tensors", type=int, default=10000)
     ap.add_argument("--bw-threads", type=int, default=0,
                     help="threads per rank of the storage test besides 1 (default: zarrckpt's file_io_concurrency)")
