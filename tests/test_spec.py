@@ -116,13 +116,20 @@ def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] 
         return n if n <= 64 else None
 
     inner = list(chunk)
-    while math.prod(inner) * itemsize > target:
-        for d in sorted(range(len(inner)), key=lambda d: -inner[d]):
+
+    def divide() -> bool:
+        for d in sorted(range(len(inner)), key=lambda d: (chunk[d] // inner[d], -inner[d], d)):
             f = usable(inner[d])
             if f:
                 inner[d] //= f
-                break
-        else:
+                return True
+        return False
+
+    while math.prod(inner) * itemsize > target:  # step 2
+        if not divide():
+            break
+    while math.prod(chunk) // math.prod(inner) < 4 and math.prod(inner) * itemsize >= target // 2:  # step 3
+        if not divide():
             break
     return None if inner == list(chunk) else inner
 

@@ -217,22 +217,31 @@ def inner_chunk_shape(chunk: tuple[int, ...], itemsize: int, target_bytes: int) 
     """Inner chunk shape dividing ``chunk`` exactly, near ``target_bytes``, or None when the
     outer chunk is too small to be worth sharding (spec Appendix C.2).
 
-    The longest divisible dim is cut by its smallest prime factor until the
-    inner chunk fits: cuts spread over dims, so row and column reads both stay
-    close to what they need.
+    Each cut goes to the dimension cut least so far (the larger extent on ties), so every
+    dimension is halved about as often as the others: a resharded load that splits a
+    chunk in 2, 4, ... along any dimension meets inner-chunk boundaries. Cutting goes on
+    below the target until there are at least 4 inner chunks (never below a quarter of
+    it), so a 2-inner-chunk shard still splits in two along either dimension.
     """
     if not chunk or math.prod(chunk) * itemsize < 2 * target_bytes:
         return None
     inner = list(chunk)
-    while math.prod(inner) * itemsize > target_bytes:
-        order = sorted(range(len(inner)), key=lambda d: -inner[d])
+
+    def cut() -> bool:
+        order = sorted(range(len(inner)), key=lambda d: (chunk[d] // inner[d], -inner[d], d))
         for d in order:
             p = _smallest_factor(inner[d])
             if p:
                 inner[d] //= p
-                break
-        else:
+                return True
+        return False
+
+    while math.prod(inner) * itemsize > target_bytes:
+        if not cut():
             break
+    while (math.prod(chunk) // math.prod(inner) < 4 and math.prod(inner) * itemsize >= target_bytes // 2
+           and cut()):
+        pass
     return tuple(inner) if tuple(inner) != tuple(chunk) else None
 
 
