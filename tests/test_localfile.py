@@ -242,3 +242,33 @@ def test_fsync_each_and_counters(tmp_path, monkeypatch):
     read_all(tmp_path, md)
     assert _localfile.counters()["bytes_read"] - after["bytes_read"] == sum(
         os.path.getsize(p) for p in files(tmp_path).values())
+
+
+def test_small_shards_are_read_whole_in_one_call_and_still_checked(tmp_path, monkeypatch):
+    data = values((64, 96), np.float32)
+    md = metadata(data.shape, (32, 96), np.float32, 1024)  # 12 KiB shards of 1 KiB inner chunks
+    write_all(tmp_path, "x", md, data, DIRECT)
+    size = os.path.getsize(tmp_path / "x/c/0/0")
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(off) or real(fd, bufs, off))
+    before = _localfile.counters()["bytes_read"]
+    np.testing.assert_array_equal(read_all(tmp_path, md), data)
+    assert calls == [0, 0]  # one call per shard file, from its start
+    assert _localfile.counters()["bytes_read"] - before == 2 * size
+    # a region that needs part of a shard reads only the inner chunks it needs
+    calls.clear()
+    before = _localfile.counters()["bytes_read"]
+    arr = Storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    part = np.empty((8, 96), np.float32)
+    arr.read_into(((0, 8), (0, 96)), part).result()
+    np.testing.assert_array_equal(part, data[:8])
+    assert 0 < _localfile.counters()["bytes_read"] - before < size
+    # damage is found the same way
+    flip(tmp_path / "x/c/1/0", 3000)
+    with pytest.raises(CorruptChunkError, match=r"chunk c/1/0 inner chunk \[\d+, \d+\] fails its crc32c"):
+        read_all(tmp_path, md)
+    flip(tmp_path / "x/c/1/0", 3000)
+    flip(tmp_path / "x/c/1/0", size - 7)
+    with pytest.raises(CorruptChunkError, match="c/1/0: its shard index fails its crc32c"):
+        read_all(tmp_path, md)

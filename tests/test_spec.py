@@ -104,8 +104,10 @@ def spec_leaves(node: dict, path: tuple = ()):
 
 def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] | None:
     """Appendix C.2 inner chunk rule."""
-    if not chunk or math.prod(chunk) * itemsize < 2 * target:
+    floor = min(target, 65536)
+    if not chunk or math.prod(chunk) * itemsize < 4 * floor:  # step 1
         return None
+    goal = min(target, max(floor, math.prod(chunk) * itemsize // 4))  # step 2
 
     def usable(n: int) -> int | None:
         if n < 2:
@@ -116,20 +118,13 @@ def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] 
         return n if n <= 64 else None
 
     inner = list(chunk)
-
-    def divide() -> bool:
+    while math.prod(inner) * itemsize > goal:  # step 3
         for d in sorted(range(len(inner)), key=lambda d: (chunk[d] // inner[d], -inner[d], d)):
             f = usable(inner[d])
             if f:
                 inner[d] //= f
-                return True
-        return False
-
-    while math.prod(inner) * itemsize > target:  # step 2
-        if not divide():
-            break
-    while math.prod(chunk) // math.prod(inner) < 4 and math.prod(inner) * itemsize >= target // 2:  # step 3
-        if not divide():
+                break
+        else:
             break
     return None if inner == list(chunk) else inner
 

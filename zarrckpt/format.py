@@ -213,35 +213,35 @@ def compression_codec(compression: str | dict | None) -> dict | None:
     raise ValueError(f"unsupported compression {compression!r}; use None, 'zstd' or 'gzip'")
 
 
+MIN_INNER_CHUNK_BYTES = 64 << 10
+
+
 def inner_chunk_shape(chunk: tuple[int, ...], itemsize: int, target_bytes: int) -> tuple[int, ...] | None:
-    """Inner chunk shape dividing ``chunk`` exactly, near ``target_bytes``, or None when the
-    outer chunk is too small to be worth sharding (spec Appendix C.2).
+    """Inner chunk shape dividing ``chunk`` exactly, or None when the outer chunk is too
+    small to be worth sharding (spec Appendix C.2).
 
-    Each cut goes to the dimension cut least so far (the larger extent on ties), so every
-    dimension is halved about as often as the others: a resharded load that splits a
-    chunk in 2, 4, ... along any dimension meets inner-chunk boundaries. Cutting goes on
-    below the target until there are at least 4 inner chunks (never below a quarter of
-    it), so a 2-inner-chunk shard still splits in two along either dimension.
+    A chunk of at least 4 x 64 KiB (4 x ``target_bytes`` if that is smaller) is cut into
+    inner chunks of at most ``max(64 KiB, chunk / 4)`` and at most ``target_bytes``: at
+    least 2 x 2 of them, so a resharded load that splits even a small chunk reads only the
+    half it needs. Each cut goes to the dimension cut least so far (the larger extent on
+    ties): every dimension is halved about as often as the others, so splits into 2, 4,
+    ... along any dimension meet inner-chunk boundaries.
     """
-    if not chunk or math.prod(chunk) * itemsize < 2 * target_bytes:
+    floor = min(target_bytes, MIN_INNER_CHUNK_BYTES)
+    total = math.prod(chunk) * itemsize if chunk else 0
+    if not chunk or total < 4 * floor:
         return None
+    goal = min(target_bytes, max(floor, total // 4))
     inner = list(chunk)
-
-    def cut() -> bool:
+    while math.prod(inner) * itemsize > goal:
         order = sorted(range(len(inner)), key=lambda d: (chunk[d] // inner[d], -inner[d], d))
         for d in order:
             p = _smallest_factor(inner[d])
             if p:
                 inner[d] //= p
-                return True
-        return False
-
-    while math.prod(inner) * itemsize > target_bytes:
-        if not cut():
+                break
+        else:
             break
-    while (math.prod(chunk) // math.prod(inner) < 4 and math.prod(inner) * itemsize >= target_bytes // 2
-           and cut()):
-        pass
     return tuple(inner) if tuple(inner) != tuple(chunk) else None
 
 

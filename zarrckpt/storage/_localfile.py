@@ -46,6 +46,9 @@ _ABSENT = 2**64 - 1
 # bytes of inner chunks per task: a shard bigger than this is written (and a region read)
 # by several threads at once
 PIECE_BYTES = 32 << 20
+# a chunk file up to this size whose every inner chunk is wanted is read in one call (on a
+# cold disk, reading the index at the end and then the data costs two seeks per file)
+WHOLE_FILE_BYTES = 4 << 20
 
 
 def _plain(codecs: Any) -> bool:
@@ -200,11 +203,13 @@ def _pool(threads: int) -> cf.ThreadPoolExecutor:
 _local = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's buffer of at least ``nbytes`` (one inner chunk and its CRC)."""
-    buf = getattr(_local, "buf", None)
+def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
+    """This thread's buffer ``slot`` of at least ``nbytes`` ("buf": one inner chunk;
+    "whole": one small chunk file)."""
+    buf = getattr(_local, slot, None)
     if buf is None or buf.nbytes < nbytes:
-        buf = _local.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        setattr(_local, slot, buf)
     return buf[:nbytes]
 
 
@@ -352,10 +357,16 @@ class LocalArray:
             units.extend((index, j) for j in np.ndindex(*[len(r) for r in ranges])
                          for j in [tuple(r[k] for r, k in zip(ranges, j))])
         origin = tuple(a for a, _ in box)
+        whole: set = set()  # chunks whose every stored inner chunk is wanted
+        if c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES:
+            per: dict = {}
+            for index, _ in units:
+                per[index] = per.get(index, 0) + 1
+            whole = {index for index, n in per.items() if n == len(c.present(index))}
         pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
         group = _Group(len(pieces))
         for piece in pieces:
-            self._pool.submit(group.run, lambda piece=piece: self._read_units(box, origin, out, piece))
+            self._pool.submit(group.run, lambda piece=piece: self._read_units(box, origin, out, piece, whole))
         return group.future
 
     def read(self, box: Box | None = None) -> cf.Future:
@@ -398,10 +409,26 @@ class LocalArray:
         self._index[index] = table
         return table, size - n
 
-    def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list) -> None:
+    def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, np.ndarray, int]:
+        """(the whole chunk file, its checked index, where the inner chunks end), one read."""
+        c = self.codec
+        size = os.fstat(fd).st_size
+        n = c.index_nbytes
+        if size < n:
+            raise CorruptChunkError(f"{self._where(index)} is truncated: {size} bytes, the index alone is {n}")
+        data = memoryview(_scratch(size, "whole"))
+        _preadv_all(fd, [data], 0, self._where(index))
+        _count("bytes_read", size)
+        raw = data[size - n:]
+        if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
+        return data, np.frombuffer(raw[:-4], dtype="<u8").reshape(c.count, 2), size - n
+
+    def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list,
+                    whole: set = frozenset()) -> None:
         c = self.codec
         enc = c.inner_nbytes + 4
-        fd, at = -1, None
+        fd, at, data = -1, None, None
         try:
             for index, j in units:
                 if index != at:
@@ -410,7 +437,10 @@ class LocalArray:
                         fd = -1
                     fd = self._open_chunk(index)
                     at = index
-                    if c.sharded:
+                    data = None
+                    if index in whole:
+                        data, table, end = self._whole(fd, index)
+                    elif c.sharded:
                         table, end = self._table(fd, index)
                     else:
                         end = os.fstat(fd).st_size - 4
@@ -430,7 +460,11 @@ class LocalArray:
                 part = tuple((max(a, ia), min(b, ib)) for (a, b), (ia, ib) in zip(box, ibox))
                 dst = _sub(out, part, origin)
                 crc = bytearray(4)
-                if part == ibox and ibox == tuple((a, a + n) for (a, _), n in zip(ibox, c.inner)) \
+                if data is not None:  # the file is in memory already
+                    body, crc = data[off:off + c.inner_nbytes], data[off + c.inner_nbytes:off + enc]
+                    tile = np.frombuffer(body, np.uint8).view(c.dtype).reshape(c.inner)
+                    np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
+                elif part == ibox and ibox == tuple((a, a + n) for (a, _), n in zip(ibox, c.inner)) \
                         and dst.flags.c_contiguous:
                     body = _bytes_of(dst)  # straight into the target
                     _preadv_all(fd, [body, crc], off, self._where(index, j))
@@ -440,7 +474,8 @@ class LocalArray:
                     _preadv_all(fd, [body, crc], off, self._where(index, j))
                     tile = buf.view(c.dtype).reshape(c.inner)
                     np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
-                _count("bytes_read", enc)
+                if data is None:
+                    _count("bytes_read", enc)
                 if crc32c.crc32c(body) != int.from_bytes(crc, "little"):
                     raise CorruptChunkError(f"{self._where(index, j)} fails its crc32c checksum")
         finally:
