@@ -141,7 +141,7 @@ def test_cast_and_key_map(tmp_path):
 
 
 def test_compression_zstd(tmp_path):
-    t = torch.zeros(256, 256)
+    t = torch.zeros(128, 256)  # 128 KiB: its own array (not packed), one chunk (not sharded)
     zarrckpt.save({"t": t}, tmp_path / "c", compression="zstd")
     meta = json.loads((tmp_path / "c" / "t" / "zarr.json").read_text())
     names = [c["name"] for c in meta["codecs"]]

@@ -105,7 +105,7 @@ def spec_leaves(node: dict, path: tuple = ()):
 def spec_inner_chunk(chunk: list[int], itemsize: int, target: int) -> list[int] | None:
     """Appendix C.2 inner chunk rule."""
     floor = min(target, 65536)
-    if not chunk or math.prod(chunk) * itemsize < 4 * floor:  # step 1
+    if not chunk or math.prod(chunk) * itemsize < min(2 * target, 4 * floor):  # step 1
         return None
     goal = min(target, max(floor, math.prod(chunk) * itemsize // 4))  # step 2
 

@@ -220,7 +220,7 @@ def inner_chunk_shape(chunk: tuple[int, ...], itemsize: int, target_bytes: int) 
     """Inner chunk shape dividing ``chunk`` exactly, or None when the outer chunk is too
     small to be worth sharding (spec Appendix C.2).
 
-    A chunk of at least 4 x 64 KiB (4 x ``target_bytes`` if that is smaller) is cut into
+    A chunk of at least 4 x 64 KiB (2 x ``target_bytes`` if that is smaller) is cut into
     inner chunks of at most ``max(64 KiB, chunk / 4)`` and at most ``target_bytes``: at
     least 2 x 2 of them, so a resharded load that splits even a small chunk reads only the
     half it needs. Each cut goes to the dimension cut least so far (the larger extent on
@@ -229,7 +229,7 @@ def inner_chunk_shape(chunk: tuple[int, ...], itemsize: int, target_bytes: int) 
     """
     floor = min(target_bytes, MIN_INNER_CHUNK_BYTES)
     total = math.prod(chunk) * itemsize if chunk else 0
-    if not chunk or total < 4 * floor:
+    if not chunk or total < min(2 * target_bytes, 4 * floor):
         return None
     goal = min(target_bytes, max(floor, total // 4))
     inner = list(chunk)
