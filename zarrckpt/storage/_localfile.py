@@ -24,6 +24,7 @@ for file, and reads each one's files with the other and with zarr-python). Anyth
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import math
 import os
 import sys
@@ -299,9 +300,8 @@ class LocalArray:
                                                                              slot))
         if c.sharded:
             table = np.full((c.count, 2), _ABSENT, dtype="<u8")
-            flat = {j: n for n, j in enumerate(np.ndindex(*c.grid))}
             for j, n in slot.items():
-                table[flat[j]] = (n * enc, enc)
+                table[np.ravel_multi_index(j, c.grid)] = (n * enc, enc)
             raw = table.tobytes()
             index_bytes = raw + crc32c.crc32c(raw).to_bytes(4, "little")
             self._pool.submit(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
@@ -403,11 +403,14 @@ class LocalArray:
         _count("bytes_read", len(raw))
         if len(raw) != n:
             raise CorruptChunkError(f"{self._where(index)}: short read of its index")
+        table = self._index[index] = self._parse_index(raw, index)
+        return table, size - n
+
+    def _parse_index(self, raw: Any, index: tuple[int, ...]) -> np.ndarray:
+        """The shard index (its bytes and CRC-32C) as (count, 2) uint64, checked."""
         if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
-        table = np.frombuffer(raw[:-4], dtype="<u8").reshape(c.count, 2)
-        self._index[index] = table
-        return table, size - n
+        return np.frombuffer(raw[:-4], dtype="<u8").reshape(self.codec.count, 2)
 
     def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, np.ndarray, int]:
         """(the whole chunk file, its checked index, where the inner chunks end), one read."""
@@ -419,10 +422,7 @@ class LocalArray:
         data = memoryview(_scratch(size, "whole"))
         _preadv_all(fd, [data], 0, self._where(index))
         _count("bytes_read", size)
-        raw = data[size - n:]
-        if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-            raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
-        return data, np.frombuffer(raw[:-4], dtype="<u8").reshape(c.count, 2), size - n
+        return data, self._parse_index(data[size - n:], index), size - n
 
     def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list,
                     whole: set = frozenset()) -> None:
@@ -483,27 +483,25 @@ class LocalArray:
                 os.close(fd)
 
 
-def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+def _vectored(op: Callable, fd: int, bufs: list, offset: int, short: Exception) -> None:
+    """``os.pwritev``/``os.preadv`` until every buffer is done (they may stop short); raise
+    ``short`` when no byte moves (a read past the end of the file)."""
     views = [memoryview(b).cast("B") for b in bufs]
     while views:
-        n = os.pwritev(fd, views, offset)
+        n = op(fd, views, offset)
+        if n == 0:
+            raise short
         offset += n
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    _vectored(os.pwritev, fd, bufs, offset, OSError(errno.EIO, "pwritev wrote nothing"))
 
 
 def _preadv_all(fd: int, bufs: list, offset: int, where: str) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise CorruptChunkError(f"{where} is truncated")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    _vectored(os.preadv, fd, bufs, offset, CorruptChunkError(f"{where} is truncated"))

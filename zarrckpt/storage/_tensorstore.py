@@ -629,7 +629,7 @@ class Storage:
         local = self._local_array(key, metadata)
         if local is not None:
             return _done(local)
-        return _wrap(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
+        return _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
                              context=self.context), key)
 
     def open_for_read(self, key: str, metadata: dict[str, Any]) -> Any:
@@ -637,7 +637,7 @@ class Storage:
         local = self._local_array(key, metadata)
         if local is not None:
             return _done(local)
-        return _wrap(self.open_tensorstore(key, metadata), key)
+        return _Opened(self.open_tensorstore(key, metadata), key)
 
     def open_tensorstore(self, key: str, metadata: dict[str, Any]) -> ts.Future:
         """A future of the TensorStore handle of an array (lazy views: slicing, ``.read()``)."""
@@ -655,10 +655,6 @@ class _Opened:
         return Array(self._f.result(timeout=timeout), self._key)
 
 
-def _wrap(future: ts.Future, key: str) -> _Opened:
-    return _Opened(future, key)
-
-
 def _done(value: Any) -> cf.Future:
     f: cf.Future = cf.Future()
     f.set_result(value)
@@ -669,8 +665,8 @@ def io_counters() -> dict[str, int]:
     """Bytes this process has read from and written to storage so far, through TensorStore's
     kvstores (its metrics) and the direct chunk-file path together."""
     out = dict(_direct_counters())
-    for name, metric in (("bytes_read", "bytes_read"), ("bytes_written", "bytes_written")):
-        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
-            if m["name"].endswith("/" + metric):
-                out[name] += sum(int(v.get("value", 0)) for v in m["values"])
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/"):
+        name = m["name"].rsplit("/", 1)[-1]
+        if name in out:  # bytes_read, bytes_written
+            out[name] += sum(int(v.get("value", 0)) for v in m["values"])
     return out
