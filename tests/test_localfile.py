@@ -146,8 +146,20 @@ def test_a_shard_is_written_and_read_by_several_threads(tmp_path, monkeypatch):
     write_all(tmp_path / "t", "x", md, data, TS)
     assert filecmp.cmp(tmp_path / "d/x/c/0/0", tmp_path / "t/x/c/0/0", shallow=False)
     assert len(seen) > 1
+    seen.clear()
+    orig_read = LocalArray._read_units
+
+    def spy_read(self, *a):
+        seen.add(threading.get_ident())
+        return orig_read(self, *a)
+    monkeypatch.setattr(LocalArray, "_read_units", spy_read)
     arr = Storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
+    before = _localfile.counters()["bytes_read"]
     assert arr.read().result().tobytes() == data.tobytes()
+    assert len(seen) > 1  # a one-process load of one array uses several threads
+    # split between tasks, the shard is read by inner chunks (and its index, perhaps by more
+    # than one task at once), never whole by each task
+    assert _localfile.counters()["bytes_read"] - before < 2 * os.path.getsize(tmp_path / "d/x/c/0/0")
 
 
 def test_compressed_arrays_go_through_tensorstore(tmp_path):

@@ -357,17 +357,22 @@ class LocalArray:
             units.extend((index, j) for j in np.ndindex(*[len(r) for r in ranges])
                          for j in [tuple(r[k] for r, k in zip(ranges, j))])
         origin = tuple(a for a, _ in box)
-        whole: set = set()  # chunks whose every stored inner chunk is wanted
-        if c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES:
-            per: dict = {}
-            for index, _ in units:
-                per[index] = per.get(index, 0) + 1
-            whole = {index for index, n in per.items() if n == len(c.present(index))}
         pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
+        small = c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES
         group = _Group(len(pieces))
         for piece in pieces:
-            self._pool.submit(group.run, lambda piece=piece: self._read_units(box, origin, out, piece, whole))
+            whole = self._whole_chunks(piece) if small else frozenset()
+            self._pool.submit(group.run, lambda piece=piece, whole=whole:
+                              self._read_units(box, origin, out, piece, whole))
         return group.future
+
+    def _whole_chunks(self, piece: list) -> set:
+        """Chunks of which ``piece`` wants every stored inner chunk: read in one call each
+        (a chunk split between two pieces is read by inner chunks, never twice whole)."""
+        per: dict = {}
+        for index, _ in piece:
+            per[index] = per.get(index, 0) + 1
+        return {index for index, n in per.items() if n == len(self.codec.present(index))}
 
     def read(self, box: Box | None = None) -> cf.Future:
         """A new array holding ``box`` (default: everything); a future of it."""
