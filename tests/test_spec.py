@@ -58,6 +58,12 @@ def is_valid(definition: str | None, doc: Any) -> bool:
     return validator(definition).is_valid(doc)
 
 
+def test_schema_formats_are_checked():
+    """jsonschema checks ``"format": "date-time"`` only when rfc3339-validator is installed
+    (the test extra installs it); without it every timestamp passes unchecked."""
+    assert "date-time" in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
+
+
 # ------------------------------------------------------------------ the spec's rules, re-derived
 
 _SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")

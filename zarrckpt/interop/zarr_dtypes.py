@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Self, SupportsFloat, Suppor
 import ml_dtypes
 import numpy as np
 from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.common import DataTypeValidationError, HasEndianness, HasItemSize
+from zarr.core.dtype.common import HasEndianness, HasItemSize
 from zarr.core.dtype.npy.common import (
     endianness_to_numpy_str,
     float_from_json_v2,
@@ -37,6 +37,11 @@ from zarr.core.dtype.npy.common import (
     get_endianness_from_numpy_dtype,
 )
 from zarr.core.dtype.wrapper import TBaseDType, ZDType
+
+try:  # zarr >= 3.2 moved it (the old name warns)
+    from zarr.errors import DataTypeValidationError
+except ImportError:  # zarr 3.1
+    from zarr.core.dtype.common import DataTypeValidationError
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON, ZarrFormat
