@@ -186,6 +186,7 @@ def test_two_rank_dtensor_checkpoint(tmp_path, clusters, capsys):
     leaf = json.loads(run(capsys, "info", path, "--json")[1])["leaves"][0]
     assert leaf["mesh"] == {"shape": [2], "dim_names": ["dp"]} and leaf["placements"] == ["Shard(0)"]
     assert leaf["chunks"] == [4, 6]
+    assert zi.info(path).meshes == [zi.MeshInfo((2,), ("dp",))]
     code, out, _ = run(capsys, "verify", path, "--json")
     assert code == 0 and json.loads(out)["chunks"] == 2
     flip(path / "w" / "c" / "1" / "0", 5)  # the chunk rank 1 wrote
@@ -555,7 +556,7 @@ def test_convert_keys_and_dtype(hf_ckpt, tmp_path, capsys):
     from safetensors import safe_open
 
     dst = tmp_path / "layers.safetensors"
-    code, _, err = run(capsys, "convert", hf_ckpt, dst, "--keys", "model.layers.0.=l0.", "model.norm",
+    code, _, err = run(capsys, "convert", hf_ckpt, dst, "--keys", "model.layers.0.=l0.", "--keys", "model.norm",
                        "--dtype", "float32")
     assert code == 0, err
     with safe_open(dst, "pt") as f:
@@ -658,7 +659,7 @@ assert run("stats", grid, "--json")[0] == 0
 assert run("ls", grid)[0] == 0
 assert run("convert", grid, tmp + "/g.safetensors")[0] == 0
 assert run("convert", tmp + "/g.safetensors", tmp + "/back")[0] == 0
-assert run("diff", grid, tmp + "/back", "-k", "plain", "shard", "small")[0] == 0
+assert run("diff", grid, tmp + "/back", "-k", "plain", "-k", "shard", "-k", "small")[0] == 0
 code, out, err = run("convert", grid, tmp + "/g.pt")
 assert code == 2 and "needs torch" in err, err
 sys.argv = ["zarrckpt", "verify", grid, "--json"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
-from ._walk import Box, Progress, ProgressFn, box_bytes, chunk_grid, chunk_key, parallel, raw_root, units
+from ._walk import Box, JsonReport, Progress, ProgressFn, box_bytes, chunk_grid, chunk_key, parallel, raw_root, units
 from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, IntegrityError, ZarrckptError
 from .reader import Checkpoint, _result_bytes
 from .storage import Storage, StorageOptions, storage_error, translate_error
@@ -34,7 +34,7 @@ DEFAULT_JOBS = 4
 
 
 @dataclass
-class Problem:
+class Problem(JsonReport):
     """One thing wrong. ``kind``: ``uncommitted``, ``root`` (the root document),
     ``digest`` (a document that does not match its SHA-256), ``metadata`` (an array
     document that breaks the spec), ``missing`` (a document, chunk or inner chunk absent),
@@ -69,7 +69,7 @@ class Problem:
 
 
 @dataclass
-class VerifyReport:
+class VerifyReport(JsonReport):
     """What :func:`verify` checked and found. ``ok`` is True only when nothing is wrong."""
 
     url: str

@@ -1,5 +1,5 @@
-"""Reading arrays box by box with bounded memory: what :mod:`zarrckpt.inspect` and
-``verify`` share.
+"""Reading arrays box by box with bounded memory, and results as JSON: what
+:mod:`zarrckpt.inspect` and ``verify`` share.
 
 A stored chunk is the unit of reading (an unsharded chunk is decoded whole anyway); a
 shard larger than the budget is read in groups of whole inner chunks. ``parallel`` runs
@@ -10,6 +10,8 @@ number of pending futures grows with the size of a checkpoint.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,8 +23,8 @@ from . import format as fmt
 from .errors import FormatError
 from .storage import Storage, translate_error
 
-__all__ = ["Progress", "ProgressFn", "box_bytes", "boxes", "chunk_grid", "chunk_key", "parallel", "raw_root",
-           "read_box", "units"]
+__all__ = ["JsonReport", "Progress", "ProgressFn", "box_bytes", "boxes", "chunk_grid", "chunk_key", "json_text",
+           "json_values", "parallel", "raw_root", "read_box", "units"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -41,6 +43,45 @@ class Progress:
 
 
 ProgressFn = Callable[[Progress], None]
+
+
+def json_values(obj: Any) -> Any:
+    """``obj`` as plain JSON values: dataclasses as objects (with the properties named in
+    their ``_json_extra``), tuples as lists, non-finite floats as the strings ``"nan"``,
+    ``"inf"``, ``"-inf"``, bytes as ``{"bytes": length}``, NumPy scalars as Python ones."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: json_values(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for name in getattr(obj, "_json_extra", ()):
+            out[name] = json_values(getattr(obj, name))
+        return out
+    if isinstance(obj, dict):
+        return {str(k): json_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_values(v) for v in obj]
+    if isinstance(obj, (bytes, bytearray)):
+        return {"bytes": len(obj)}
+    if isinstance(obj, (np.integer, np.bool_)):
+        return obj.item()
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if math.isfinite(f) else ("nan" if f != f else "inf" if f > 0 else "-inf")
+    return obj
+
+
+def json_text(obj: Any, indent: int | None = 2) -> str:
+    """``obj`` as JSON text (of :func:`json_values`; strict JSON: no NaN or Infinity)."""
+    return json.dumps(json_values(obj), indent=indent, allow_nan=False)
+
+
+class JsonReport:
+    """What every result dataclass of :mod:`zarrckpt.inspect` can do: ``as_dict()``, its
+    plain JSON values, and ``to_json()``, the JSON text ``zarrckpt ... --json`` prints."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return json_values(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json_text(self, indent)
 
 
 def chunk_grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[tuple[int, ...], Box]]:

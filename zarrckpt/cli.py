@@ -1,12 +1,17 @@
 """The ``zarrckpt`` command (also ``python -m zarrckpt``): look at, check, compare, convert
 and analyse checkpoints from a shell::
 
-    zarrckpt info PATH [--depth N] [--keys PATTERN ...]     what is in it, and how it was saved
+    zarrckpt info PATH [--depth N] [-k PATTERN]...          what is in it, and how it was saved
     zarrckpt verify PATH [--jobs N]                         every document, chunk and checksum
     zarrckpt diff A B [--atol X] [--rtol Y] [--all]         keys, shapes, dtypes, max differences
-    zarrckpt convert SRC DST [--to FORMAT] [--keys OLD[=NEW] ...] [--dtype DT] [--memory-limit SIZE]
+    zarrckpt convert SRC DST [--to FORMAT] [-k OLD[=NEW]]... [--dtype DT] [--memory-limit SIZE]
     zarrckpt stats PATH... [--plot norms.png]               norm, mean, std, min, max, zeros/NaN/Inf
     zarrckpt ls URL                                         the checkpoints of a run: step, state, size, time
+    zarrckpt clean DIR [--dry-run]                          remove what saves that died left (local only)
+
+Options may come before or after the paths. ``-k``/``--keys`` (info, diff, stats,
+convert) and ``--dtype`` take one value each and may be repeated (``-k model -k optim``);
+a ``-k`` pattern that selects no key is an error that names the closest keys.
 
 Paths may be local or ``s3://``, ``gs://``, ``file://`` URLs (S3 settings from the usual
 ``AWS_*`` variables and ``~/.aws``). Every command prints for people by default and one
@@ -26,7 +31,6 @@ without it. The work is done by :mod:`zarrckpt.inspect` and :mod:`zarrckpt.conve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -37,7 +41,7 @@ from typing import Any, TextIO
 from . import inspect as zi
 from ._lazy import format_bytes
 from ._optional import require
-from .errors import ZarrckptError
+from .errors import CheckpointExistsError, ZarrckptError
 
 __all__ = ["main"]
 
@@ -133,8 +137,7 @@ def _shape(shape: Sequence[int] | None) -> str:
 
 
 def _emit_json(obj: Any) -> None:
-    json.dump(zi.to_json(obj), sys.stdout, indent=2, allow_nan=False)
-    sys.stdout.write("\n")
+    sys.stdout.write(zi.to_json(obj) + "\n")
 
 
 def _plural(n: int, word: str, plural: str | None = None) -> str:
@@ -158,13 +161,12 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  state    committed, format {ci.version}")
     print(f"  saved    {ci.created} by {procs}, committed {ci.committed}")
     if ci.meshes:
-        print("  mesh     " + "; ".join(zi._mesh_str(m) for m in ci.meshes))
-    if ci.step is not None or ci.metadata.get("metrics"):
-        metrics = ci.metadata.get("metrics") or {}
+        print("  mesh     " + "; ".join(map(str, ci.meshes)))
+    if ci.step is not None or ci.metrics:
         line = f"  step     {ci.step if ci.step is not None else '-'}"
-        if isinstance(metrics, dict) and metrics:
+        if ci.metrics:
             line += "   " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={_short(v, 20)}"
-                                  for k, v in metrics.items())
+                                  for k, v in ci.metrics.items())
         print(line)
     other = {k: v for k, v in ci.metadata.items() if k not in ("step", "metrics")}
     if other:
@@ -324,6 +326,35 @@ def _format_name(name: str | None) -> str | None:
     return name
 
 
+def _check_convert_keys(args: argparse.Namespace, src_fmt: str) -> None:
+    """Refuse ``--keys`` prefixes (the OLD of OLD=NEW) that select no key of the source, before
+    anything is written: the converter would write an empty checkpoint or file. Matched as
+    the converter matches them (string prefixes of the source's keys)."""
+    if not args.keys:
+        return
+    from . import convert as zc
+    from .interop import _common as cm
+
+    source = zc._open_source(src_fmt, args.src, zc.DEFAULT_MEMORY_LIMIT, None, not args.skip_unsupported)
+    try:
+        keys = [_source_key(leaf.path) for leaf in source.leaves()]
+    finally:
+        source.close()
+    olds = [item.split("=", 1)[0] for item in args.keys]
+    zi._check_selects(olds, keys, os.fspath(args.src), test=lambda p: lambda k: cm.key_selector([p])(k) is not None)
+
+
+def _source_key(path: tuple) -> str:
+    """A source leaf's key, as the converter names it (``repr`` of a path that has none)."""
+    from .errors import UnsupportedValueError
+    from .interop import _common as cm
+
+    try:
+        return cm.key_of(path)
+    except UnsupportedValueError:
+        return repr(path)
+
+
 def _keys_arg(items: list[str] | None) -> Any:
     """``--keys model/`` (select) ... or ``--keys model/=`` (rename a prefix): a list of
     prefixes, or a mapping when any item renames (the others keep their names)."""
@@ -372,6 +403,7 @@ def _convert(args: argparse.Namespace) -> int:
             to_fmt = "zarrckpt"
     if to_fmt in _TORCH_FORMATS:
         require("torch", f"converting to {to_fmt}")
+    _check_convert_keys(args, src_fmt)
     options: dict[str, Any] = {"keys": _keys_arg(args.keys), "dtype": _dtype_arg(args.dtype),
                                "overwrite": args.overwrite, "strict": not args.skip_unsupported}
     if args.memory_limit is not None:
@@ -392,7 +424,12 @@ def _convert(args: argparse.Namespace) -> int:
         options[name] = value
     with _progress(args, "convert") as bar:
         options["progress"] = bar
-        rep = zc.convert(args.src, args.dst, from_format=src_fmt, to_format=to_fmt, **options)
+        try:
+            rep = zc.convert(args.src, args.dst, from_format=src_fmt, to_format=to_fmt, **options)
+        except CheckpointExistsError as e:  # the library names overwrite=True: say the flag
+            if getattr(e, "option", None):
+                raise CheckpointExistsError(str(e).replace(e.option, "--overwrite")) from None
+            raise
     if args.json:
         _emit_json(rep)
         return EXIT_OK
@@ -462,6 +499,33 @@ def _ls(args: argparse.Namespace) -> int:
     for x in found:
         if x.error:
             print(f"  {x.name}: {x.error}")
+        if x.saved_step is not None and x.saved_step != x.step:
+            print(f"  {x.name}: saved step {x.saved_step}; STEP shows the step of its directory name")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ clean
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from ._commit import clean_leftovers
+
+    found = clean_leftovers(args.dir, dry_run=args.dry_run)
+    if args.json:
+        _emit_json({"dry_run": args.dry_run, "leftovers": found})
+        return EXIT_OK
+    if "://" in args.dir and not args.dir.startswith("file://"):
+        print(f"{args.dir}: nothing to clean on object stores: an interrupted save there is a pending "
+              "root at the checkpoint's own path (zarrckpt ls shows it), and whether its writer still "
+              "runs cannot be known; once it is gone, a save with overwrite=True replaces it")
+        return EXIT_OK
+    dead = "would remove" if args.dry_run else "removed"
+    rows = [["live (kept)" if x.live else dead, x.kind, format_bytes(x.nbytes), x.path] for x in found]
+    for line in _table(["ACTION", "KIND", "SIZE", "PATH"], rows, right=(2,)):
+        print(line)
+    gone = [x for x in found if not x.live]
+    print(f"{_plural(len(gone), 'leftover')} of saves that died {dead} ({format_bytes(sum(x.nbytes for x in gone))}), "
+          f"{len(found) - len(gone)} of running saves kept")
     return EXIT_OK
 
 
@@ -479,9 +543,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     keys = argparse.ArgumentParser(add_help=False)
-    keys.add_argument("-k", "--keys", nargs="+", metavar="PATTERN",
-                      help="only keys under these prefixes (model, optim/state) or matching these globs "
-                           "(model/*.bias)")
+    keys.add_argument("-k", "--keys", action="append", metavar="PATTERN",
+                      help="only keys under this prefix (model, optim/state) or matching this glob "
+                           "(model/*.bias); repeat for several")
     jobs = argparse.ArgumentParser(add_help=False)
     jobs.add_argument("-j", "--jobs", type=_positive, default=zi.DEFAULT_JOBS,
                       help=f"read this many chunks or tensors at once (default {zi.DEFAULT_JOBS})")
@@ -529,10 +593,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="zarrckpt, safetensors, torch_save or dcp (default: detected)")
     c.add_argument("--to", dest="to_format", metavar="FORMAT",
                    help="zarrckpt, safetensors, torch_save or dcp (default: from DST's suffix, else zarrckpt)")
-    c.add_argument("-k", "--keys", nargs="+", metavar="PREFIX[=NEW]",
-                   help="only keys starting with these prefixes; PREFIX=NEW also renames (model/= drops 'model/')")
-    c.add_argument("--dtype", nargs="+", metavar="DTYPE",
-                   help="cast every floating-point array to DTYPE (bf16, float16 ...), or FROM=TO pairs")
+    c.add_argument("-k", "--keys", action="append", metavar="PREFIX[=NEW]",
+                   help="only keys starting with this prefix; PREFIX=NEW also renames (model/= drops 'model/'); "
+                        "repeat for several")
+    c.add_argument("--dtype", action="append", metavar="DTYPE",
+                   help="cast every floating-point array to DTYPE (bf16, float16 ...), or FROM=TO (repeat for "
+                        "several pairs)")
     c.add_argument("--memory-limit", metavar="SIZE", help="tensor data held at once (default 1GiB; e.g. 256MB)")
     c.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors folders: bytes per file (default 5GB; 'none': one file)")
@@ -558,6 +624,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("url")
     c.add_argument("--no-sizes", action="store_true", help="do not read array documents for sizes (faster)")
     c.set_defaults(run=_ls)
+
+    c = sub.add_parser("clean", parents=[common], help="remove what saves that died left beside checkpoints",
+                       description="Remove, directly under a local directory, the hidden directories "
+                                   "(.NAME.zarrckpt-ID), pending claims and lock files of saves whose process is "
+                                   "gone (their lock is free); those of running saves are listed and kept. "
+                                   "Object stores: nothing is removed (see spec §7.5).")
+    c.add_argument("dir")
+    c.add_argument("-n", "--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    c.set_defaults(run=_clean)
     return p
 
 
@@ -588,10 +663,20 @@ def _message(e: BaseException) -> str:
     return " ".join(text.split())  # one line
 
 
+def _more_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """``stats A -k model B``: paths after an option (argparse takes the first run of
+    paths only) join the others; any other leftover argument is a usage error."""
+    if getattr(args, "paths", None) is None or any(e.startswith("-") for e in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.paths.extend(extra)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _more_paths(parser, args, extra)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -11,10 +11,16 @@ notebooks and scripts (conversions are :mod:`zarrckpt.convert`)::
     zi.stats("ckpt/run1")                     # [CheckpointStats], one per step: norm, mean, std, ...
     zi.ls("s3://bucket/run1")                 # [Listing]: step, state, size, time of each checkpoint
 
-Each returns dataclasses of plain values; :func:`to_json` turns any of them into JSON
-values (what ``zarrckpt ... --json`` prints). Paths are anything :func:`zarrckpt.open`
-takes (``s3://``, ``gs://``, ``file://``, ``memory://``, plain paths) with
-``storage=StorageOptions(...)``.
+Each returns dataclasses of plain values, each with ``as_dict()`` (JSON values) and
+``to_json()`` (JSON text: what ``zarrckpt ... --json`` prints); :func:`to_json` and
+:func:`to_dict` do the same for any result or container of results. Paths are anything
+:func:`zarrckpt.open` takes (``s3://``, ``gs://``, ``file://``, ``memory://``, plain
+paths) with ``storage=StorageOptions(...)``.
+
+**Selecting keys.** ``keys=`` of ``info``, ``diff`` and ``stats`` takes prefixes and globs
+(:func:`key_filter`). A pattern that selects nothing is a typo, not an empty answer: it
+raises :class:`~zarrckpt.errors.MissingKeysError` naming the pattern, the checkpoint, and
+the closest keys or key prefixes ("did you mean 'model'?").
 
 **Bounded memory.** Array data are read one stored chunk at a time; a shard (spec §5.5)
 larger than ``max_read_bytes`` is read in groups of its inner chunks. ``jobs`` units are
@@ -36,11 +42,10 @@ the array path, the keys stored there, and the chunk.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
+import difflib
 import fnmatch
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +55,9 @@ import numpy as np
 from . import format as fmt
 from ._lazy import placement_str
 from ._verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
-from ._walk import Progress, ProgressFn, boxes, parallel, raw_root, read_box
-from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, ZarrckptError
+from ._walk import JsonReport, Progress, ProgressFn, boxes, json_text, json_values, parallel, raw_root, read_box
+from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, MissingKeysError, ZarrckptError
+from .manager import _STEP as _STEP_DIR  # the CheckpointManager's naming rule: step_<N>
 from .reader import Checkpoint
 from .storage import Storage, StorageOptions
 
@@ -64,6 +70,7 @@ __all__ = [
     "LeafDiff",
     "LeafInfo",
     "Listing",
+    "MeshInfo",
     "Problem",
     "Progress",
     "TensorStats",
@@ -74,37 +81,26 @@ __all__ = [
     "ls",
     "plot_norms",
     "stats",
+    "to_dict",
     "to_json",
     "verify",
 ]
 
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
 # ------------------------------------------------------------------ JSON
 
 
-def to_json(obj: Any) -> Any:
-    """Any result of this module as plain JSON values: dataclasses as objects, tuples as
-    lists, non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"``, bytes as
-    ``{"bytes": length}``."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        for name in getattr(obj, "_json_extra", ()):
-            out[name] = to_json(getattr(obj, name))
-        return out
-    if isinstance(obj, dict):
-        return {str(k): to_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_json(v) for v in obj]
-    if isinstance(obj, (bytes, bytearray)):
-        return {"bytes": len(obj)}
-    if isinstance(obj, (np.integer, np.bool_)):
-        return obj.item()
-    if isinstance(obj, (float, np.floating)):
-        f = float(obj)
-        return f if math.isfinite(f) else ("nan" if f != f else "inf" if f > 0 else "-inf")
-    return obj
+def to_json(obj: Any, *, indent: int | None = 2) -> str:
+    """Any result of this module (or a list or dict of them) as JSON text: what
+    ``zarrckpt ... --json`` prints. Strict JSON: non-finite floats are the strings
+    ``"nan"``, ``"inf"``, ``"-inf"`` (see :func:`to_dict`)."""
+    return json_text(obj, indent)
+
+
+def to_dict(obj: Any) -> Any:
+    """Any result of this module as plain JSON values (what :func:`to_json` writes):
+    dataclasses as objects, tuples as lists, non-finite floats as the strings ``"nan"``,
+    ``"inf"``, ``"-inf"``, bytes as ``{"bytes": length}``."""
+    return json_values(obj)
 
 
 # ------------------------------------------------------------------ selecting keys
@@ -116,16 +112,59 @@ def key_filter(patterns: str | Iterable[str] | None) -> Callable[[str], bool]:
     of whole components (``model`` and ``model/`` both select ``model/...``)."""
     if patterns is None:
         return lambda k: True
-    pats = [patterns] if isinstance(patterns, str) else list(patterns)
-
-    def one(p: str) -> Callable[[str], bool]:
-        if any(c in p for c in "*?["):
-            return lambda k: fnmatch.fnmatchcase(k, p)
-        p = p.rstrip("/")
-        return lambda k: not p or k == p or k.startswith(p + "/")
-
-    tests = [one(p) for p in pats]
+    tests = [_pattern_test(p) for p in _patterns(patterns)]
     return lambda k: any(t(k) for t in tests)
+
+
+def _patterns(patterns: str | Iterable[str]) -> list[str]:
+    return [patterns] if isinstance(patterns, str) else list(patterns)
+
+
+def _pattern_test(p: str) -> Callable[[str], bool]:
+    """One pattern of :func:`key_filter` as a test of a key."""
+    if any(c in p for c in "*?["):
+        return lambda k: fnmatch.fnmatchcase(k, p)
+    p = p.rstrip("/")
+    return lambda k: not p or k == p or k.startswith(p + "/")
+
+
+def _check_selects(patterns: str | Iterable[str] | None, keys: Sequence[str], where: str, *,
+                   test: Callable[[str], Callable[[str], bool]] = _pattern_test, what: str = "key",
+                   known: Sequence[str] | None = None) -> None:
+    """Raise :class:`MissingKeysError` when a pattern of ``patterns`` selects none of
+    ``keys`` (the keys of ``where``, a checkpoint's URL or a description), naming each such
+    pattern with the closest of the ``known`` keys (default ``keys``) or their prefixes
+    (``difflib``), or the top-level keys when none is close. ``test``: a pattern -> its
+    test of a key (default :func:`key_filter`'s rule); ``what``: the noun of the message
+    (``"array"`` when only arrays are searched)."""
+    if patterns is None:
+        return
+    dead = [p for p in _patterns(patterns) if not any(map(test(p), keys))]
+    if dead:
+        raise MissingKeysError("; ".join(_no_match(p, keys if known is None else known, where, what) for p in dead))
+
+
+def _no_match(pattern: str, keys: Sequence[str], where: str, what: str) -> str:
+    names = _key_prefixes(keys)
+    close = difflib.get_close_matches(pattern.rstrip("/"), names, n=3, cutoff=0.6)
+    if close:
+        quoted = [repr(c) for c in close]
+        hint = "did you mean " + (", ".join(quoted[:-1]) + " or " if len(quoted) > 1 else "") + quoted[-1] + "?"
+    else:
+        top = sorted({k.split("/", 1)[0] for k in keys})
+        hint = ("top-level keys: " + ", ".join(top[:12]) + (f", +{len(top) - 12} more" if len(top) > 12 else "")
+                if top else f"it has no {what}s")
+    return f"key pattern {pattern!r} selects no {what} of {where} ({hint})"
+
+
+def _key_prefixes(keys: Sequence[str]) -> list[str]:
+    """Every key and every prefix of whole components of one (``model``, ``model/layers``)."""
+    out = dict.fromkeys(keys)
+    for k in keys:
+        parts = k.split("/")
+        for i in range(1, len(parts)):
+            out.setdefault("/".join(parts[:i]))
+    return list(out)
 
 
 # ------------------------------------------------------------------ opening, the root
@@ -135,20 +174,32 @@ def _committed_time(ck: Checkpoint) -> str | None:
     return ck.info.raw["attributes"][fmt.ATTR].get("committed")
 
 
-def _mesh_str(mesh: dict[str, Any] | None) -> str:
-    if not mesh:
-        return ""
-    names = mesh.get("dim_names") or [None] * len(mesh["shape"])
-    return "(" + ", ".join(f"{n}={s}" if n else str(s) for n, s in zip(names, mesh["shape"])) + ")"
-
-
 # ------------------------------------------------------------------ info
 
 
+@dataclass(frozen=True)
+class MeshInfo(JsonReport):
+    """The device mesh an array was saved from: ``shape`` (``(2, 4)``) and its dimension
+    names (``("dp", "tp")``, or None). ``str()``: ``(dp=2, tp=4)``."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        names = self.dim_names or (None,) * len(self.shape)
+        return "(" + ", ".join(f"{n}={s}" if n else str(s) for n, s in zip(names, self.shape)) + ")"
+
+
 @dataclass
-class LeafInfo:
+class LeafInfo(JsonReport):
     """One leaf: an array (``kind`` tensor, dtensor, sharded_tensor, ndarray, bytes,
-    bytesio) with its saved layout, or a value (``kind`` ``"value"``, ``value`` set)."""
+    bytesio) with its saved layout, or a value (``kind`` ``"value"``, ``value`` set).
+
+    ``dtype``: the Zarr data type name (``float32``, ``bfloat16``); ``shape``: the global
+    shape; ``nbytes``: decoded bytes; ``chunks``: the stored chunk (shard) shape, None when
+    ``packed`` (stored in a pack with other small leaves); ``inner_chunks``: the inner
+    chunk shape of a sharded array; ``mesh`` and ``placements``: a DTensor's save-time mesh
+    and placements (``["Shard(0)"]``)."""
 
     key: str
     kind: str
@@ -158,7 +209,7 @@ class LeafInfo:
     chunks: tuple[int, ...] | None = None
     inner_chunks: tuple[int, ...] | None = None
     packed: bool = False
-    mesh: dict[str, Any] | None = None
+    mesh: MeshInfo | None = None
     placements: list[str] | None = None
     value: Any = None
 
@@ -176,17 +227,27 @@ class LeafInfo:
         if self.inner_chunks:
             out += f" (inner {list(self.inner_chunks)})"
         if self.mesh is not None:
-            out += f", {self.kind} {_mesh_str(self.mesh)} [{', '.join(self.placements or ())}]"
+            out += f", {self.kind} {self.mesh} [{', '.join(self.placements or ())}]"
         elif self.kind not in ("tensor", "bytes"):
             out += f", {self.kind}"
         return out
 
 
 @dataclass
-class CheckpointInfo:
+class CheckpointInfo(JsonReport):
     """What :func:`info` found: the root's record and every selected leaf, in stored order.
     A pending checkpoint (an interrupted or running save) has ``state == "pending"``, its
-    root's ``save_id``, ``created`` and ``world_size``, and no leaves."""
+    root's ``save_id``, ``created`` and ``world_size``, and no leaves.
+
+    ``url``: where it is; ``state``: ``committed`` or ``pending``; ``version``: the format
+    version (``"1.1"``); ``save_id``: the save's id; ``created``/``committed``: UTC times
+    (ISO 8601) the save started and committed; ``world_size``: the processes that saved
+    it; ``writer``: software versions; ``metadata``: the caller's own JSON object (the
+    ``metadata=`` of the save; a CheckpointManager's ``step`` and ``metrics``); ``step``:
+    ``metadata["step"]``, else a top-level integer leaf ``step`` (a pending one: the
+    ``step_<N>`` of its directory); ``meshes``: the distinct meshes of its DTensors;
+    ``leaves``: a :class:`LeafInfo` per selected key. Also ``num_keys``, ``num_arrays``,
+    ``nbytes`` (array data of the selected leaves), in ``as_dict()`` too."""
 
     url: str
     state: str
@@ -198,7 +259,7 @@ class CheckpointInfo:
     writer: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
-    meshes: list[dict[str, Any]] = field(default_factory=list)
+    meshes: list[MeshInfo] = field(default_factory=list)
     leaves: list[LeafInfo] = field(default_factory=list)
 
     _json_extra = ("num_keys", "num_arrays", "nbytes")
@@ -216,13 +277,21 @@ class CheckpointInfo:
         """Bytes of array data (decoded, of the selected leaves)."""
         return sum(leaf.nbytes for leaf in self.leaves)
 
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """``metadata["metrics"]`` (a CheckpointManager's), else {}."""
+        metrics = self.metadata.get("metrics")
+        return metrics if isinstance(metrics, dict) else {}
+
 
 def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
          storage: StorageOptions | None = None) -> CheckpointInfo:
     """The checkpoint at ``path``: state, format version, times, world size, meshes, and
     every leaf (under ``keys``: prefixes or globs, see :func:`key_filter`) with its shape,
     dtype, bytes and saved layout. Reads the root and every array ``zarr.json``
-    (concurrently), no array data. A pending root is described, not refused."""
+    (concurrently), no array data. A pending root is described, not refused. A pattern
+    of ``keys`` that selects no key raises :class:`MissingKeysError` (with the closest
+    keys)."""
     try:
         ck = Checkpoint(path, storage)
     except IncompleteCheckpointError:
@@ -230,12 +299,14 @@ def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
         attrs = raw_root(st) or {}
         return CheckpointInfo(st.url, "pending", version=attrs.get("version"), save_id=attrs.get("save_id"),
                               created=attrs.get("created"), world_size=attrs.get("world_size"),
-                              writer=dict(attrs.get("writer") or {}), step=_dir_step(st.url))
+                              writer=dict(attrs.get("writer") or {}), step=_run_step(st.url, None))
+    all_keys = ck.keys()
+    _check_selects(keys, all_keys, ck.url)
     keep = key_filter(keys)
-    selected = [k for k in ck.keys() if keep(k)]
+    selected = [k for k in all_keys if keep(k)]
     infos = ck.array_infos([k for k in selected if ck.is_array(k)])
     leaves = []
-    meshes: list[dict[str, Any]] = []
+    meshes: list[MeshInfo] = []
     for k in selected:
         a = infos.get(k)
         if a is None:
@@ -243,7 +314,7 @@ def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
             continue
         mesh = None
         if a.mesh_shape is not None:
-            mesh = {"shape": list(a.mesh_shape), "dim_names": list(a.mesh_dim_names) if a.mesh_dim_names else None}
+            mesh = MeshInfo(tuple(a.mesh_shape), tuple(a.mesh_dim_names) if a.mesh_dim_names else None)
             if mesh not in meshes:
                 meshes.append(mesh)
         packed = ck.is_packed(k)
@@ -259,11 +330,17 @@ def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
 
 
 @dataclass
-class Listing:
+class Listing(JsonReport):
     """One checkpoint under a run directory or prefix. ``state``: ``committed``,
     ``pending`` (a save interrupted or still running) or ``damaged`` (a root that cannot
     be read; ``error`` says why). ``time``: the commit (else the start) of the save;
-    ``nbytes``: its array data (committed checkpoints)."""
+    ``nbytes``: its array data (committed checkpoints).
+
+    ``step`` is the step of the checkpoint in its run: ``N`` for a CheckpointManager step
+    directory ``step_<N>`` (the name the manager saves, finds, retains and restores it by),
+    else the step the checkpoint records. ``saved_step`` is the step the checkpoint
+    records (``metadata["step"]``, else a top-level integer leaf ``step``), whatever its
+    name; ``zarrckpt ls`` notes a checkpoint whose two differ."""
 
     url: str
     name: str
@@ -275,6 +352,15 @@ class Listing:
     num_arrays: int | None = None
     nbytes: int | None = None
     error: str | None = None
+    saved_step: int | None = None
+
+
+def _run_step(url: str, saved_step: int | None) -> int | None:
+    """The step of the checkpoint at ``url`` in its run (``ls``, ``stats``): ``N`` when its
+    name is a CheckpointManager step directory ``step_<N>``, whatever it records, else
+    ``saved_step`` (what it records), else None."""
+    m = _STEP_DIR.fullmatch(os.fspath(url).rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else saved_step
 
 
 def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: bool = True,
@@ -302,11 +388,6 @@ def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: 
     return sorted(out, key=lambda x: (x.step is None, x.step if x.step is not None else 0, x.name))
 
 
-def _dir_step(url: str) -> int | None:
-    m = _STEP_DIR.fullmatch(url.rstrip("/").rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
-
-
 def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -> Listing | None:
     st = Storage(url, storage)
     if st.local_path is not None and not os.path.isdir(st.local_path):
@@ -315,14 +396,14 @@ def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -
         ck = Checkpoint(url, storage)
     except IncompleteCheckpointError:
         attrs = raw_root(st) or {}
-        return Listing(url, name, "pending", _dir_step(url), attrs.get("created"), attrs.get("save_id"),
+        return Listing(url, name, "pending", _run_step(url, None), attrs.get("created"), attrs.get("save_id"),
                        attrs.get("world_size"))
     except CheckpointNotFoundError:
         return None  # no root, or a Zarr group that is not a checkpoint
     except FormatError as e:
-        return Listing(url, name, "damaged", _dir_step(url), error=str(e))
-    step = ck.step if ck.step is not None else _dir_step(url)
-    out = Listing(url, name, "committed", step, _committed_time(ck), ck.save_id, ck.world_size)
+        return Listing(url, name, "damaged", _run_step(url, None), error=str(e))
+    out = Listing(url, name, "committed", _run_step(url, ck.step), _committed_time(ck), ck.save_id, ck.world_size,
+                  saved_step=ck.step)
     arrays = ck.array_keys()
     out.num_arrays = len(arrays)
     if sizes:
@@ -337,7 +418,7 @@ def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -
 
 
 @dataclass
-class LeafDiff:
+class LeafDiff(JsonReport):
     """How one key compares. ``status``: ``identical`` (same dtype, shape and bits; equal
     values), ``close`` (within ``atol``/``rtol``, when given), ``different``, ``shape``,
     ``dtype`` (values compared as numbers when shapes agree), ``kind`` (an array in one,
@@ -362,7 +443,7 @@ class LeafDiff:
 
 
 @dataclass
-class DiffReport:
+class DiffReport(JsonReport):
     """:func:`diff`'s result: ``same`` is True only when both hold the same keys and every
     leaf is ``identical`` (or ``close``, when a tolerance was given)."""
 
@@ -396,11 +477,13 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float | None = Non
     elements and the largest absolute and relative differences (:class:`LeafDiff`),
     computed chunk by chunk of ``a`` (see the module docstring). With ``atol`` and/or
     ``rtol`` (a missing one is 0), arrays whose every element has
-    ``|a - b| <= atol + rtol * |b|`` (NaN matching NaN) are ``close``."""
+    ``|a - b| <= atol + rtol * |b|`` (NaN matching NaN) are ``close``. A pattern of
+    ``keys`` that selects no key of either raises :class:`MissingKeysError`."""
     tol = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
     if tol is not None and (tol[0] < 0 or tol[1] < 0 or not all(map(math.isfinite, tol))):
         raise ValueError(f"atol and rtol must be finite and >= 0, not {atol!r} and {rtol!r}")
     ca, cb = Checkpoint(a, storage), Checkpoint(b, storage)
+    _check_selects(keys, list(dict.fromkeys(ca.keys() + cb.keys())), f"{ca.url} or {cb.url}")
     keep = key_filter(keys)
     ka = [k for k in ca.keys() if keep(k)]
     kb = [k for k in cb.keys() if keep(k)]
@@ -512,7 +595,7 @@ def _diff_array(ca: Checkpoint, cb: Checkpoint, key: str, ia: fmt.ArrayInfo, ib:
 
 
 @dataclass
-class TensorStats:
+class TensorStats(JsonReport):
     """Statistics of one array leaf over its finite elements (NaN and Inf are counted
     apart, as fractions of all elements): ``norm`` (L2), ``mean``, ``std`` (population,
     ddof 0), ``min``, ``max``; ``zeros``, ``nan``, ``inf`` fractions of all elements.
@@ -533,9 +616,10 @@ class TensorStats:
 
 
 @dataclass
-class CheckpointStats:
-    """:func:`stats` of one checkpoint: its step (the saved step, else ``step_<N>`` of its
-    name, else None) and one :class:`TensorStats` per array leaf."""
+class CheckpointStats(JsonReport):
+    """:func:`stats` of one checkpoint: its step in its run (``N`` of a
+    ``step_<N>`` directory, else the saved step, else None) and one :class:`TensorStats`
+    per array leaf."""
 
     url: str
     step: int | None
@@ -593,7 +677,8 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
     """Statistics of every array leaf (under ``keys``; ``bytes`` leaves left out) of one
     checkpoint, of a run directory (every committed checkpoint under it, see :func:`ls`),
     or of a list of checkpoints, computed chunk by chunk: one :class:`CheckpointStats`
-    per checkpoint, in step order."""
+    per checkpoint, in step order. A pattern of ``keys`` that selects no such array of
+    any of them raises :class:`MissingKeysError`."""
     run = _run(paths, storage)
     keep = key_filter(keys)
     work: list[tuple[int, Checkpoint, str, fmt.ArrayInfo]] = []
@@ -602,6 +687,9 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
         for k, a in ck.array_infos(ks).items():
             if a.kind not in fmt.BYTE_KINDS:
                 work.append((i, ck, k, a))
+    where = run[0][1].url if len(run) == 1 else f"{len(run)} checkpoints ({run[0][1].url} ... {run[-1][1].url})"
+    _check_selects(keys, [k for *_, k, _ in work], where, what="array",
+                   known=list(dict.fromkeys(k for _, ck in run for k in ck.array_keys())))
     total = sum(_nbytes(a) for *_, a in work)
 
     def one(item: tuple[int, Checkpoint, str, fmt.ArrayInfo]) -> TensorStats:
@@ -639,7 +727,7 @@ def _run(paths: Any, storage: StorageOptions | None) -> list[tuple[int | None, C
                 raise CheckpointNotFoundError(f"no committed checkpoints at {os.fspath(paths)!r}") from None
     else:
         cks = [Checkpoint(p, storage) for p in paths]
-    run = [(ck.step if ck.step is not None else _dir_step(ck.url), ck) for ck in cks]
+    run = [(_run_step(ck.url, ck.step), ck) for ck in cks]
     if all(step is not None for step, _ in run):
         run.sort(key=lambda sc: sc[0])
     return run
