@@ -483,3 +483,22 @@ def test_destinations_refused(tmp_path):
         convert.from_dcp(tmp_path / "dcp", tmp_path / "full")
     with pytest.raises(ValueError, match="one side must be zarrckpt"):
         convert.convert(tmp_path / "dcp", tmp_path / "x", to_format="safetensors")
+
+
+def test_exists_error_names_the_option(tmp_path, capsys):
+    """A refusal to replace the destination names overwrite=True, and carries it as
+    ``option`` so the command line says --overwrite (issue 18)."""
+    from zarrckpt.cli import main
+
+    zarrckpt.save({"w": torch.ones(2), "x": None}, tmp_path / "ck")
+    torch.save({"w": torch.ones(2), "x": None}, tmp_path / "in.pt")
+    for run in (lambda: convert.from_torch_save(tmp_path / "in.pt", tmp_path / "ck"),
+                lambda: convert.to_torch_save(tmp_path / "ck", tmp_path / "in.pt")):
+        with pytest.raises(CheckpointExistsError, match="overwrite=True") as e:
+            run()
+        assert e.value.option == "overwrite=True"
+    assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=True" not in err
+    assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ck"), "--overwrite"]) == 0
+    assert zarrckpt.load_state_dict(tmp_path / "ck")["x"] is None

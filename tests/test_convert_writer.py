@@ -105,3 +105,24 @@ print("checkpoint at", r"{tmp_path}/ck")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_none_values_are_values_not_arrays(tmp_path):
+    """Issue 18: a None leaf was taken for an array, and the committed root named more arrays
+    than num_arrays (every reader refused it)."""
+    with Writer(tmp_path / "ck") as w:
+        w.add(("w",), np.ones(3, np.float32))
+        w.add(("optim", "param_groups", 0, "foreach"), None, containers=("dict", "list", "dict"))
+        w.add(("x",), None)
+    assert zarrckpt.load_state_dict(tmp_path / "ck")["optim"] == {"param_groups": [{"foreach": None}]}
+    assert zarrckpt.load_state_dict(tmp_path / "ck")["x"] is None
+
+
+def test_an_unreadable_root_is_never_committed(tmp_path, monkeypatch):
+    """The root is parsed as readers parse it before the commit: a writer bug fails the save."""
+    w = Writer(tmp_path / "ck")
+    w.add(("w",), np.ones(3, np.float32))
+    monkeypatch.setattr(w, "tree", lambda: {"dict": [["w", {"array": "w"}], ["v", {"array": "v"}]]})
+    with pytest.raises(ZarrckptError, match="would not be readable.*num_arrays"):
+        w.commit()
+    assert not os.path.exists(tmp_path / "ck")

@@ -73,6 +73,9 @@ def writer_versions(extra: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+_ARRAY = object()  # the value of an array leaf in Writer._insert (None is a value)
+
+
 class _Ref:
     """Placeholder of an array leaf in the skeleton of the tree."""
 
@@ -222,7 +225,7 @@ class Writer:
         chunk = tuple(max(s, 1) for s in shape) if chunk_shape is None else tuple(int(c) for c in chunk_shape)
         if len(chunk) != len(shape) or any(not 1 <= c <= max(s, 1) for c, s in zip(chunk, shape)):
             raise ValueError(f"chunk shape {chunk} does not fit shape {shape} (1 <= c <= max(s, 1))")
-        key = self._insert(path, None, containers)
+        key = self._insert(path, _ARRAY, containers)
         fmt.check_shape(shape, dtype.numpy.itemsize, f"array {key!r}")
         nbytes = math.prod(shape) * dtype.numpy.itemsize
         whole = tuple(max(s, 1) for s in shape)
@@ -262,7 +265,8 @@ class Writer:
     # ---- the tree skeleton -------------------------------------------------------------
 
     def _insert(self, path: tuple, value: Any, containers: tuple[str, ...] | None) -> str:
-        """Put a leaf (an array when ``value`` is None) into the skeleton; returns its key."""
+        """Put a leaf (an array when ``value`` is :data:`_ARRAY`; None is a value like any
+        other) into the skeleton; returns its key."""
         path = tuple(path)
         if not path:
             raise ValueError("the key path of a leaf is not empty")
@@ -271,8 +275,8 @@ class Writer:
         key = ztree.key_of(path)  # validates every component (spec §4)
         if self._closed:
             raise ZarrckptError(f"{key!r}: the writer is closed")
-        leaf: Any = _Ref(key) if value is None else value
-        if value is not None:
+        leaf: Any = _Ref(key) if value is _ARRAY else value
+        if value is not _ARRAY:
             try:  # refuse what the tree cannot hold now, naming the key (spec §6.2)
                 ztree.encode_tree({"v": value}, lambda x: False)
             except UnsupportedValueError as e:
@@ -410,6 +414,7 @@ class Writer:
             root = fmt.root_metadata(state="committed", save_id=self.save_id, world_size=1,
                                      created=self.created, writer=self._writer, tree=tree,
                                      array_docs=self._docs, metadata=self.metadata)
+            self._check_readable(root)
             _commit.publish(self._target, root)
         except BaseException:
             self.abandon()
@@ -417,6 +422,17 @@ class Writer:
         self._closed = True
         return {"path": self.url, "save_id": self.save_id, "arrays": len(self._docs),
                 "leaves": len(self._arrays), "bytes_written": self.bytes_written}
+
+    def _check_readable(self, root: dict) -> None:
+        """Parse the root about to be committed as a reader will (spec §6.1-6.3, §6.6), so
+        that a save never commits a checkpoint that readers refuse; a failure is a bug of
+        the writer, reported before the commit."""
+        try:
+            fmt.parse_root_bytes(_commit.encode(root), self.url)
+        except ZarrckptError as e:
+            raise ZarrckptError(f"the checkpoint about to be committed at {self.url!r} would not be "
+                                f"readable, so nothing was committed (a bug in zarrckpt; please report "
+                                f"it): {e}") from e
 
     def abandon(self) -> None:
         """Stop: wait for writes in flight, then remove this save's directory and claim."""

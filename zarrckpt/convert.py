@@ -62,7 +62,7 @@ import numpy as np
 from . import dtypes as zdt
 from . import format as fmt
 from ._writer import Writer
-from .errors import CheckpointNotFoundError, UnsupportedValueError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from .interop import _common as cm
 from .storage import StorageOptions
 
@@ -82,6 +82,7 @@ __all__ = [
 
 FORMATS = ("zarrckpt", "dcp", "safetensors", "torch_save")
 DEFAULT_MEMORY_LIMIT = 1 << 30
+_OVERWRITE = "overwrite=True"  # how refusals to replace a destination name the option
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,15 @@ class _TorchSaveSink:
                 zdt.torch_dtype(item.dtype)
             except UnsupportedValueError as e:
                 return str(e)
+        if isinstance(item.leaf, cm.ArrayLeaf) and item.leaf.kind in ("bytes", "bytesio") and not item.leaf.nbytes:
+            return ("an empty bytes value: torch pickles b'' as a call of bytes(), which "
+                    "torch.load(weights_only=True) refuses to read back")
+        if isinstance(item.leaf, cm.ValueLeaf):
+            from .interop._torch_save import unloadable_int
+
+            if unloadable_int(item.leaf.value) is not None:
+                return ("it holds an integer of more than 255 bytes (about 614 digits), which "
+                        "torch.load(weights_only=True) cannot read back; store it as a string")
         return None
 
     def plan(self, items: list[_Item]) -> list[_Item]:
@@ -436,26 +446,18 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
     try:
         report = ConversionReport(str(src), str(dst), src_format, "")
         items: list[_Item] = []
-        for leaf in source.leaves():
-            try:
-                key = cm.key_of(leaf.path)
-            except UnsupportedValueError as e:
-                key = repr(leaf.path)
-                leaf = cm.Skipped(leaf.path, str(e))
-            new = select(key)
-            if new is None:
-                continue
+        for key, new, leaf in _selected(source.leaves(), select):
             if isinstance(leaf, cm.Skipped):
                 _skip(report, key, leaf.reason, strict)
                 continue
-            path, containers = (leaf.path, leaf.containers) if new == key else (cm.path_of_key(new), None)
+            path, containers = cm.renamed(leaf.path, leaf.containers, key, new)
             it = _Item(leaf, path, new, containers)
             if isinstance(leaf, cm.ArrayLeaf):
                 it.dtype = to_dtype(leaf.dtype) if leaf.kind in ("tensor", "ndarray") else leaf.dtype
                 itemsize = max(leaf.dtype.numpy.itemsize, it.dtype.numpy.itemsize)
                 it.chunk = cm.piece_shape(leaf.shape, itemsize, piece)
             items.append(it)
-        sink = make_sink(source)
+        sink = _open_sink(make_sink, source)
         report.destination = str(sink.dst)
         report.destination_format = sink.name
         kept = []
@@ -490,6 +492,45 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
         source.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _selected(leaves: Iterator[cm.Leaf], select: Callable[[str], str | None]
+              ) -> Iterator[tuple[str, str, cm.Leaf]]:
+    """``(key, new key, leaf)`` of the leaves ``select`` keeps. A value holding a container
+    (a zarrckpt source gives a plain-JSON subtree as one leaf) that is not kept whole is
+    split into its entries, so that ``keys="optim/param_groups/0/"`` selects inside it as
+    it does inside any other subtree."""
+    for leaf in leaves:
+        try:
+            key = cm.key_of(leaf.path)
+        except UnsupportedValueError as e:
+            key = repr(leaf.path)
+            leaf = cm.Skipped(leaf.path, str(e))
+        new = select(key)
+        if new is not None:
+            yield key, new, leaf
+        elif isinstance(leaf, cm.ValueLeaf) and isinstance(leaf.value, (dict, list, tuple)) and leaf.value:
+            yield from _selected(_entries(leaf), select)
+
+
+def _entries(leaf: cm.ValueLeaf) -> Iterator[cm.ValueLeaf]:
+    value = leaf.value
+    kind = "dict" if isinstance(value, dict) else "tuple" if isinstance(value, tuple) else "list"
+    containers = tuple(leaf.containers or ("dict",) * (len(leaf.path) - 1)) + (kind,)
+    for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+        yield cm.ValueLeaf(leaf.path + (k,), v, containers)
+
+
+def _open_sink(make_sink: Callable[[Any], Any], source: Any) -> Any:
+    """The destination, claimed. A refusal to replace what is there that ``overwrite=True``
+    would lift names that option in its message and carries its text as the error's
+    ``option`` attribute, so that the command line can name its flag instead
+    (``str(e).replace(e.option, "--overwrite")``)."""
+    try:
+        return make_sink(source)
+    except CheckpointExistsError as e:
+        e.option = _OVERWRITE if _OVERWRITE in str(e) else None  # type: ignore[attr-defined]
+        raise
 
 
 def _pieces(it: _Item, done: list[int], tick: Callable[[str], None]) -> Iterator[tuple[tuple, np.ndarray]]:

@@ -277,6 +277,28 @@ def path_of_key(key: str) -> tuple:
     return tuple(ztree.unescape(seg) for seg in key.split("/"))
 
 
+def renamed(path: tuple, containers: tuple[str, ...] | None, key: str,
+            new: str) -> tuple[tuple, tuple[str, ...] | None]:
+    """The key path and container kinds of a leaf whose key ``key`` (of ``path``) became
+    ``new``. The segments both keys end with keep their components (an index stays an int)
+    and the kinds of the containers that hold them, so ``{"optim/": ""}`` keeps
+    ``param_groups`` a list and ``state`` keyed by ints; the segments in front, new or
+    renamed, are dict keys (their unescaped strings)."""
+    if new == key:
+        return path, containers
+    new_path = path_of_key(new)
+    old_segs, new_segs = key.split("/"), new.split("/")
+    n = 0
+    while n < min(len(old_segs), len(new_segs), len(path)) and old_segs[-1 - n] == new_segs[-1 - n]:
+        n += 1
+    kinds = tuple(containers or ())[:len(path) - 1]
+    kinds += ("dict",) * (len(path) - 1 - len(kinds))
+    holders = ("dict",) + kinds  # holders[i]: the kind of the container that holds path[i]
+    head = new_path[:len(new_path) - n]
+    new_holders = ("dict",) * len(head) + holders[len(path) - n:]
+    return head + tuple(path[len(path) - n:]), new_holders[1:]
+
+
 # ------------------------------------------------------------------ dtypes
 
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
@@ -334,11 +356,11 @@ def nest(items: Sequence[tuple[tuple, tuple[str, ...] | None, Any]]) -> dict:
     for path, containers, value in items:
         node: Any = root
         for depth, comp in enumerate(path[:-1]):
-            child = node.get(comp)
-            if child is None:
-                child = node[comp] = {}
-                kinds[id(child)] = (containers[depth] if containers and depth < len(containers) else "dict")
-            elif not isinstance(child, dict) or id(child) not in kinds:
+            if comp not in node:  # (a None leaf is there: no node.get)
+                node[comp] = {}
+                kinds[id(node[comp])] = (containers[depth] if containers and depth < len(containers) else "dict")
+            child = node[comp]
+            if not isinstance(child, dict) or id(child) not in kinds:
                 raise ValueError(f"{key_of(path[:depth + 1])!r} is a leaf; cannot add {key_of(path)!r} under it")
             node = child
         if path[-1] in node:
@@ -366,4 +388,4 @@ def leaf_error(path: tuple, e: BaseException) -> UnsupportedValueError:
 
 __all__ = ["ArrayLeaf", "Box", "KeysArg", "Leaf", "RawFile", "Skipped", "StridedReader",
            "ValueLeaf", "as_dtype", "c_strides", "cast", "dotted", "dtype_caster", "in_memory_leaf", "is_float",
-           "key_of", "key_selector", "nest", "path_of_key", "piece_boxes", "piece_shape"]
+           "key_of", "key_selector", "nest", "path_of_key", "piece_boxes", "piece_shape", "renamed"]

@@ -354,6 +354,24 @@ class Sink:
             os.remove(self.tmp)
 
 
+_MAX_INT_BYTES = 255  # pickle's LONG1, the only long integer torch's weights_only unpickler reads
+
+
+def unloadable_int(value: Any) -> int | None:
+    """An integer in ``value`` (descending into lists, tuples and dicts) that
+    ``torch.load(weights_only=True)`` refuses to read back (more than 255 bytes in two's
+    complement, about 614 decimal digits), or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        magnitude = value if value >= 0 else ~value
+        return value if magnitude.bit_length() // 8 + 1 > _MAX_INT_BYTES else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for v in items:
+        found = unloadable_int(v)
+        if found is not None:
+            return found
+    return None
+
+
 class _TensorSpec:
     __slots__ = ("shape", "dtype")
 
@@ -381,4 +399,4 @@ def _central_entries(fh: Any, zf: zipfile.ZipFile) -> dict[str, int]:
     return out
 
 
-__all__ = ["Sink", "Source", "TensorFile", "View", "expand", "load_meta", "tensor_spec", "walk"]
+__all__ = ["Sink", "Source", "TensorFile", "View", "expand", "load_meta", "tensor_spec", "unloadable_int", "walk"]
