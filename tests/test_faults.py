@@ -405,6 +405,7 @@ zarrckpt.async_save({{f"w{{i}}": torch.full((64, 64), 5.0) for i in range(40)}},
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "async save" in r.stderr and "in flight" in r.stderr, r.stderr
+    assert r.stderr.count("in flight") == 1, r.stderr  # once, not again through logging
     out = zarrckpt.load_state_dict(tmp_path / "c")
     assert len(out) == 40 and all(torch.equal(v, torch.full((64, 64), 5.0)) for v in out.values())
 
@@ -440,3 +441,32 @@ def test_every_stored_file_is_json_or_a_checksummed_chunk(tmp_path):
                 assert google_crc32c.value(data[:-4]).to_bytes(4, "little") == data[-4:], rel
             seen += 1
     assert seen >= 2  # the sharded array and the pack
+
+
+# ------------------------------------------------------------- file size limits
+
+
+@pytest.mark.parametrize("chunk_io", ["direct", "tensorstore"])
+def test_file_size_limit_is_a_storage_error_naming_the_array(tmp_path, chunk_io):
+    """With RLIMIT_FSIZE below a chunk's size, creating the chunk file used to raise a bare
+    OSError(EFBIG) from os.ftruncate, outside the storage error translation."""
+    code = f"""
+import resource, signal, sys, torch
+sys.path.insert(0, {os.path.dirname(TESTS)!r})
+import zarrckpt
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    zarrckpt.save({{"small": torch.ones(4), "big": torch.ones(1 << 20)}}, {str(tmp_path / 'c')!r},
+                  pack_bytes=0, storage=zarrckpt.StorageOptions(chunk_io={chunk_io!r}))
+except BaseException as e:
+    print(type(e).__name__, isinstance(e, zarrckpt.StorageError), getattr(e, "errno", None), e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cls, is_storage, err, msg = r.stdout.split(" ", 3)
+    assert cls == "StorageError" and is_storage == "True", r.stdout
+    assert "'big'" in msg and "too large" in msg.lower(), r.stdout
+    if chunk_io == "direct":
+        assert int(err) == errno.EFBIG
+    assert os.listdir(tmp_path) == []  # the path is as it was before the save

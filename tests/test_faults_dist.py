@@ -335,3 +335,77 @@ def rank_metrics_differ(rank, world, path):
 
 def test_manager_metrics_are_rank_0s(tmp_path, clusters):
     assert clusters(2).run(rank_metrics_differ, str(tmp_path / "run")) == [{"loss": 0.5}] * 2
+
+
+# ----------------------------------------------------------- a rank that never calls save
+
+
+def rank_skips_save(rank, world, path):
+    """Rank 2 skips the first save and calls it late; then every rank saves together."""
+    out = []
+    if rank != 2:
+        out.append(_outcome(lambda: zarrckpt.save({"w": torch.ones(4)}, f"{path}/a", entry_timeout=3)))
+    else:
+        time.sleep(6)  # the others have given up by now
+        out.append(_outcome(lambda: zarrckpt.save({"w": torch.ones(4)}, f"{path}/a", entry_timeout=3)))
+    # the group is still usable, and the ranks' calls line up again
+    out.append(_outcome(lambda: zarrckpt.save({"w": torch.full((4,), 2.0)}, f"{path}/b", entry_timeout=30)))
+    return out
+
+
+def test_rank_that_does_not_call_save_is_named_quickly(tmp_path, clusters):
+    out = clusters(3).run(rank_skips_save, str(tmp_path))
+    for rank in (0, 1):
+        cls, msg, seconds = out[rank][0]
+        assert cls == "DistributedError" and "rank(s) [2]" in msg and "did not enter" in msg, out
+        assert 2.5 < seconds < 15  # the entry timeout, far below the group's 60 s
+    cls, msg, seconds = out[2][0]
+    assert cls == "DistributedError" and "rank 2" in msg and "given up" in msg, out
+    assert seconds < 5  # told at once, no hang
+    assert all(o[1][0] == "ok" for o in out), out
+    assert torch.equal(zarrckpt.load_state_dict(tmp_path / "b")["w"], torch.full((4,), 2.0))
+    assert not (tmp_path / "a").exists()
+
+
+def rank_skips_load(rank, world, path):
+    """Rank 1 skips a load and calls it late (through ZARRCKPT_ENTRY_TIMEOUT); then both load."""
+    os.environ["ZARRCKPT_ENTRY_TIMEOUT"] = "3"
+    try:
+        if rank == 1:
+            time.sleep(6)
+        out = [_outcome(lambda: zarrckpt.load({"w": torch.zeros(4)}, path))]
+    finally:
+        del os.environ["ZARRCKPT_ENTRY_TIMEOUT"]
+    target = {"w": torch.zeros(4)}
+    out.append(_outcome(lambda: zarrckpt.load(target, path)))
+    return out, target["w"].tolist()
+
+
+def rank_save_all(rank, world, path):
+    zarrckpt.save({"w": torch.ones(4)}, path)
+
+
+def test_rank_that_does_not_call_load_is_named_quickly(tmp_path, clusters):
+    path = str(tmp_path / "c")
+    clusters(2).run(rank_save_all, path)
+    out = clusters(2).run(rank_skips_load, path)
+    cls, msg, seconds = out[0][0][0]
+    assert cls == "DistributedError" and "rank(s) [1]" in msg and "load" in msg, out
+    assert 2.5 < seconds < 15
+    cls, msg, seconds = out[1][0][0]
+    assert cls == "DistributedError" and "given up" in msg and seconds < 5, out
+    assert all(o[0][1][0] == "ok" and o[1] == [1.0] * 4 for o in out), out
+
+
+def test_save_without_a_process_group_in_a_world_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.warns(RuntimeWarning, match="WORLD_SIZE=4 but no process group"):
+        zarrckpt.save({"w": torch.ones(4)}, tmp_path / "c")
+    with pytest.warns(RuntimeWarning, match="WORLD_SIZE=4 but no process group"):
+        zarrckpt.async_save({"w": torch.ones(4)}, tmp_path / "d").result(timeout=60)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zarrckpt.save({"w": torch.ones(4)}, tmp_path / "e")

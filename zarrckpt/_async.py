@@ -130,8 +130,8 @@ def _wait_before(event: str) -> None:
     msg = (f"zarrckpt: {event} while {len(pending)} async save(s) are in flight "
            f"({', '.join(f.path for f in pending)}); waiting for them to commit. Call "
            "zarrckpt.wait_for_saves() (or SaveFuture.result()) first to silence this.")
+    # a warning only: logging's last-resort handler would print the same line a second time
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    log.warning(msg)
     wait_for_saves()
 
 
@@ -157,6 +157,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
             cf.wait([f._future])
         run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata)
         _hooks()
+        run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()
         plan_and_prepare(run)
         try:

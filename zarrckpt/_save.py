@@ -4,6 +4,7 @@ Phases and agreement points, in order (``g`` is the process group; C = one
 all-reduce; a failure anywhere before an agreement point is reported there, and
 every rank then raises an error of the same class naming the failing ranks)::
 
+    enter()     every rank has called save (the c10d store, ``entry_timeout``)
     plan()      resolve Stateful, encode the tree, check every leaf and lay out each
                 array: this rank's chunk writes and boundary sends (local, no I/O)
     C0 agree()  planning succeeded everywhere; every rank has the same path and
@@ -75,9 +76,13 @@ class SaveOptions:
         per rank instead of one array each (0 disables packing; use 0 for checkpoints
         meant for generic Zarr readers, which do not see packed leaves).
     storage: TensorStore settings (concurrency, fsync, object-store retries).
+    entry_timeout: seconds every rank waits at the start of the save for the others to
+        call it too, before it raises a DistributedError naming the ranks that did not
+        (None: ``ZARRCKPT_ENTRY_TIMEOUT`` or 300 s; never more than the group's timeout).
 
     compression, inner_chunk_bytes, replica_split_bytes and pack_bytes decide what
-    lands on storage: every rank must pass the same values (checked at C0).
+    lands on storage: every rank must pass the same values (ranks that disagree are
+    refused before anything is written).
     """
 
     compression: str | dict | None = None
@@ -87,6 +92,7 @@ class SaveOptions:
     pack_bytes: int = 64 << 10
     max_inflight_bytes: int = 256 << 20
     storage: StorageOptions = field(default_factory=StorageOptions)
+    entry_timeout: float | None = None
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> SaveOptions:
@@ -100,6 +106,9 @@ class SaveOptions:
                 raise ValueError(f"{name} must be a positive int, not {getattr(opts, name)!r}")
         if not isinstance(opts.pack_bytes, int) or opts.pack_bytes < 0:
             raise ValueError(f"pack_bytes must be an int >= 0, not {opts.pack_bytes!r}")
+        if opts.entry_timeout is not None and not (
+                isinstance(opts.entry_timeout, (int, float)) and opts.entry_timeout > 0):
+            raise ValueError(f"entry_timeout must be a number of seconds > 0, not {opts.entry_timeout!r}")
         return opts
 
     @property
@@ -170,6 +179,16 @@ class SaveRun:
 
     def _timed(self, name: str, t0: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+    # ---- entry ------------------------------------------------------------------
+
+    def enter(self, what: str) -> None:
+        """Before anything else: every rank of the group has called ``what`` (a rank that
+        did not is named within ``entry_timeout``, instead of a hang until the group's
+        timeout); without a group, warn when the environment says there are several."""
+        if not self.g.active:
+            zdist.warn_if_world_without_group(what)
+        self.g.enter(what, self.options.entry_timeout)
 
     # ---- plan and C0 ----------------------------------------------------------
 
@@ -378,7 +397,8 @@ class SaveRun:
 
     def _write(self, streaming: bool) -> None:
         st = self.store
-        with contextlib.ExitStack() as lease, InFlight(self.options.max_inflight_bytes, op="write") as pending:
+        with contextlib.ExitStack() as lease, InFlight(self.options.max_inflight_bytes, op="write",
+                                                         abort=st.is_object_store) as pending:
             for p in self.arrays:
                 if p.coord is not None and p.layout.metadata_writer() == p.coord:
                     pending.add(p.key, st.put(f"{p.key}/zarr.json", _commit.encode(p.metadata)), 0)
@@ -541,6 +561,7 @@ def plan_and_prepare(run: SaveRun) -> None:
 
 
 def run_save(run: SaveRun) -> dict[str, Any]:
+    run.enter("save")
     plan_and_prepare(run)
     try:
         run.finish(run.write(streaming=True), run.g)

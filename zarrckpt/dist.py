@@ -11,7 +11,10 @@ A collective that fails (a peer died, the group timed out) raises
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -146,22 +149,90 @@ class Group:
         The failing ranks' errors are gathered (a slow path, taken only on failure) so
         that every message names each failing rank and its error. A rank that failed
         with a zarrckpt error re-raises it; the others raise the same class (or
-        ``fallback`` when the first failure is not a zarrckpt error).
+        ``fallback`` when the first failure is not a zarrckpt error). A rank that was
+        interrupted (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``)
+        re-raises that, as itself; the others are told that it was interrupted.
         """
         if self.all_true(error is None):
             return
         if not self.active:
             raise error
-        msg = None if error is None else (type(error).__name__, str(error))
+        msg = None if error is None else (type(error).__name__, _describe(error))
         msgs = self.all_gather(msg)
         bad = {r: m for r, m in enumerate(msgs) if m is not None}
         first = bad[min(bad)]
         cls = by_name(first[0]) or fallback
         text = (f"{what} failed on rank(s) {sorted(bad)}: "
                 + "; ".join(f"rank {r}: {name}: {m}" for r, (name, m) in sorted(bad.items())))
+        if error is not None and not isinstance(error, Exception):
+            raise error
         if isinstance(error, ZarrckptError) and (len(bad) == 1 or type(error) is cls):
             raise error
         raise cls(text) from error
+
+    def enter(self, what: str, timeout: float | None = None) -> None:
+        """The first agreement of a zarrckpt call (``what``: "save", "load" ...): wait until
+        every rank of the group has entered it, for at most ``timeout`` seconds (default:
+        :func:`entry_timeout`; never longer than the group's own timeout).
+
+        Through the process group's c10d store, not a collective, so it works for gloo and
+        NCCL alike and a missing rank costs no broken communicator. One atomic decision per
+        call: the last rank to arrive sets it to "go"; a rank whose wait times out sets it to
+        "fail" and raises :class:`DistributedError` naming the ranks that did not arrive. A
+        rank arriving after that finds "fail" and raises at once (it does not hang), and its
+        next call lines up with the other ranks' next call again."""
+        if not self.active:
+            return
+        limit = entry_timeout() if timeout is None else float(timeout)
+        group_limit = self.timeout()
+        if group_limit is not None:
+            limit = min(limit, group_limit.total_seconds())
+        ranks = self.global_ranks()
+        with _side_lock:
+            seq = _entries[ranks] = _entries.get(ranks, 0) + 1
+        store = _store()
+        base = f"zarrckpt/enter/{'-'.join(map(str, ranks))}/{seq}"
+        try:
+            store.set(f"{base}/rank{self.rank}", what)
+            if store.add(f"{base}/arrived", 1) == self.size:
+                store.compare_set(f"{base}/decision", "", "go")
+            try:
+                store.wait([f"{base}/decision"], timedelta(seconds=limit))
+            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError ...)
+                pass
+            if store.check([f"{base}/decision"]):
+                decision = store.get(f"{base}/decision").decode()
+            else:  # timed out: give up, unless the last rank arrives at this very moment
+                missing = [r for r in range(self.size) if not store.check([f"{base}/rank{r}"])]
+                decision = store.compare_set(f"{base}/decision", "", "fail " + json.dumps(missing)).decode()
+        except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
+            raise DistributedError(f"rank {self.rank} could not reach the process group's store "
+                                   f"when entering zarrckpt {what}: {e}") from e
+        if decision == "go":
+            self._forget_entry(store, ranks, seq - 2)
+            return
+        missing = json.loads(decision.split(" ", 1)[1])  # as the rank that gave up saw it
+        if self.rank in missing:
+            raise DistributedError(
+                f"zarrckpt {what}: rank {self.rank} (global {self.global_rank(self.rank)}) entered "
+                f"the call after the other ranks had given up waiting for it (they raised); every "
+                f"rank of the group must call zarrckpt {what} at the same point")
+        raise DistributedError(
+            f"zarrckpt {what}: rank(s) {missing} (global "
+            f"{[self.global_rank(r) for r in missing]}) did not enter the call within {limit:g} s "
+            f"(every rank of the group of {self.size} must call it; set ZARRCKPT_ENTRY_TIMEOUT "
+            f"for ranks that legitimately arrive later)")
+
+    def _forget_entry(self, store: Any, ranks: tuple[int, ...], seq: int) -> None:
+        """Rank 0 deletes an old entry's keys (every rank has passed it: all arrived later)."""
+        if self.rank != 0 or seq < 1:
+            return
+        base = f"zarrckpt/enter/{'-'.join(map(str, ranks))}/{seq}"
+        for key in ["arrived", "decision", *(f"rank{r}" for r in range(self.size))]:
+            try:
+                store.delete_key(f"{base}/{key}")
+            except Exception:  # noqa: BLE001 - a store without deletes only keeps a few bytes
+                return
 
     def side_group(self) -> Group:
         """A group over the same ranks for background work that must not share the
@@ -181,8 +252,58 @@ class Group:
             return side
 
 
+def _describe(error: BaseException) -> str:
+    """One rank's error as the other ranks read it."""
+    if not isinstance(error, Exception):
+        return f"the process was interrupted ({type(error).__name__}{': ' + str(error) if str(error) else ''})"
+    return str(error)
+
+
 _side_groups: dict[tuple[int, ...], Group] = {}
 _side_lock = threading.Lock()
+_entries: dict[tuple[int, ...], int] = {}  # zarrckpt calls entered, per set of ranks
+
+ENTRY_TIMEOUT_S = 300.0
+
+
+def entry_timeout() -> float:
+    """How long a zarrckpt call waits for every rank to enter it: ``ZARRCKPT_ENTRY_TIMEOUT``
+    (seconds) or 300. Long enough for ranks that arrive late after uneven work (one rank
+    evaluating, a slow data loader), well below the 10-30 minutes a collective would hang."""
+    value = os.environ.get("ZARRCKPT_ENTRY_TIMEOUT")
+    if value is None or not value.strip():
+        return ENTRY_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"ZARRCKPT_ENTRY_TIMEOUT must be a number of seconds > 0, not {value!r}")
+    return seconds
+
+
+def _store() -> Any:
+    """The default process group's c10d store (every group's ranks can reach it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def warn_if_world_without_group(what: str) -> None:
+    """Warn when this process has no process group but its environment says it is one of
+    several (``WORLD_SIZE`` > 1, as torchrun sets): the call covers this process alone."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1:
+        warnings.warn(
+            f"zarrckpt.{what}: WORLD_SIZE={world} but no process group is initialized; this "
+            f"process {what}s on its own, as a world of 1 (call torch.distributed."
+            "init_process_group() first if the processes should act together)",
+            RuntimeWarning, stacklevel=3)
 
 
 def group(process_group: Any = None) -> Group:

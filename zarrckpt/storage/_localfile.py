@@ -174,6 +174,13 @@ class _Group:
             self.future.set_result(None)
 
 
+def _failed(error: BaseException) -> cf.Future:
+    """A future that has failed with ``error``."""
+    future: cf.Future = cf.Future()
+    future.set_exception(error)
+    return future
+
+
 _counts = {"bytes_read": 0, "bytes_written": 0}
 _counts_lock = threading.Lock()
 
@@ -270,19 +277,13 @@ class LocalArray:
                 or data.shape != tuple(b - a for a, b in box):
             raise ValueError(f"{self._where(index)}: direct writes take whole chunks, not {box}")
         path = self._path(index)
-        parent = os.path.dirname(path)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
         origin = tuple(a for a, _ in box)
         enc = c.inner_nbytes + 4
         present = c.present(index)
-        # a fresh file of the final size; every task then writes its own byte range
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, len(present) * enc + c.index_nbytes)
-        finally:
-            os.close(fd)
+            self._create(path, len(present) * enc + c.index_nbytes)
+        except OSError as e:  # reported through the future, like the writes' own errors
+            return _failed(e)
         slot = {j: n for n, j in enumerate(present)}
         pieces = list(_split(present, enc, PIECE_BYTES))
 
@@ -306,6 +307,18 @@ class LocalArray:
             index_bytes = raw + crc32c.crc32c(raw).to_bytes(4, "little")
             self._pool.submit(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
         return group.future
+
+    def _create(self, path: str, size: int) -> None:
+        """A fresh chunk file of its final size (every task then writes its own byte range)."""
+        parent = os.path.dirname(path)
+        if parent not in self._dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
 
     def _write_inner(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
                      piece: list[tuple[int, ...]], slot: dict) -> None:

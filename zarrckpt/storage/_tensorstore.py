@@ -390,6 +390,11 @@ class Storage:
         return self.spec["path"] if self.spec["driver"] == "file" else None
 
     @property
+    def is_object_store(self) -> bool:
+        """S3 or GCS: a failing request is retried (``request_retries``) before it fails."""
+        return self.spec["driver"] in ("s3", "gcs")
+
+    @property
     def can_rename(self) -> bool:
         """Whole checkpoints can be moved into place atomically (local file systems)."""
         return self.local_path is not None
@@ -576,7 +581,7 @@ class Storage:
             elif _exchange(src, to):
                 old = self
             else:
-                aside = os.path.join(os.path.dirname(to), "." + os.path.basename(to) + ".zarrckpt-old")
+                aside = src + "-old"  # named after this save, so cleaners know whose it is
                 os.rename(to, aside)
                 os.rename(src, to)
                 old = Storage(aside, self.options)
