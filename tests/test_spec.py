@@ -488,7 +488,7 @@ def test_checkpoint_keys_are_the_spec_leaves(tmp_path):
 
 
 def _staging_dirs(parent: Path) -> list[Path]:
-    return [p for p in parent.iterdir() if p.name.startswith(".") and ".zarrckpt-" in p.name]
+    return [p for p in parent.iterdir() if p.name.startswith(".") and ".zarrckpt-" in p.name and p.is_dir()]
 
 
 def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):

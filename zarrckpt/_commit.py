@@ -25,23 +25,37 @@ writes would otherwise mix into this save's); an overwrite un-commits the old
 root and deletes the old keys except the root (so the location stays an
 interrupted save, reusable with ``overwrite``), and the commit is a conditional
 write that succeeds only while the root is still this save's pending one.
+
+Leftovers (spec §7.5). On a file system rank 0 holds an exclusive ``flock`` on
+``.<name>.zarrckpt-<save_id>.lock`` beside the location (:class:`SaveLock`) from
+before its claim until its directory is gone; the kernel drops it when the
+process dies, SIGKILL included. :func:`clean_leftovers` removes the hidden
+directories, pending claims and lock files of saves whose lock it can take (or
+whose lock file is gone), never those of a live save; :func:`begin` runs it for
+its own path, so a retry removes what the dead save left. :func:`retire` deletes
+a committed checkpoint so that a crash leaves no committed root over partial
+data: rename aside (file systems) or un-commit (object stores) first, then delete.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
 from ._io import wait_all
-from .errors import CheckpointExistsError, ConcurrentSaveError
-from .storage import Storage
+from .errors import CheckpointExistsError, ConcurrentSaveError, StorageError
+from .storage import Storage, StorageOptions, storage_error
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["Target", "abandon", "begin", "encode", "publish", "staging_name"]
+__all__ = ["Leftover", "SaveLock", "Target", "abandon", "begin", "clean_leftovers", "encode", "lock_name",
+           "publish", "retire", "staging_name"]
 
 
 def encode(doc: dict[str, Any]) -> bytes:
@@ -57,6 +71,16 @@ def staging_name(name: str, save_id: str) -> str:
     return f".{name}.zarrckpt-{save_id}"
 
 
+def lock_name(name: str, save_id: str) -> str:
+    """The lock file that says the save ``save_id`` of ``name`` is alive (spec §7.5)."""
+    return f".{name}.zarrckpt-{save_id}.lock"
+
+
+# a save's own directory (or the data it replaced, "-old" where exchange is unsupported)
+_HIDDEN = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})(?:-old)?")
+_LOCK = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.lock")
+
+
 @dataclass
 class Target:
     """Where a save writes (``store``) and what it commits to (``location``)."""
@@ -67,6 +91,7 @@ class Target:
     overwrite: bool
     claimed: bool = False  # the location holds this save's pending claim
     generation: bytes = b""  # the pending root's generation (in-place saves)
+    lock: SaveLock | None = field(default=None, repr=False)  # file systems: held until done
 
     @property
     def in_place(self) -> bool:
@@ -112,15 +137,21 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
     directory of this save with its pending root and group documents."""
     pending = encode(pending_root)
     if location.can_rename:
-        with location.parent_lock():
-            state, attrs = _state(location)
-            _refuse(location, state, attrs, overwrite)
-            claimed = state != "committed"
-            if claimed:  # absent, empty or an interrupted save: mark it as ours
-                location.make_dir()
-                location.write_atomic("zarr.json", pending)
+        lock = SaveLock.acquire(location, save_id)  # before anything of this save exists
+        try:
+            _clean_quietly(location, save_id)  # what dead saves to this path left
+            with location.parent_lock():
+                state, attrs = _state(location)
+                _refuse(location, state, attrs, overwrite)
+                claimed = state != "committed"
+                if claimed:  # absent, empty or an interrupted save: mark it as ours
+                    location.make_dir()
+                    location.write_atomic("zarr.json", pending)
+        except BaseException:
+            lock.release()
+            raise
         target = Target(location, location.sibling(staging_name(location.name, save_id)), save_id,
-                        overwrite, claimed)
+                        overwrite, claimed, lock=lock)
         try:
             target.store.make_dir()
             target.store.write_atomic("zarr.json", pending)
@@ -193,9 +224,11 @@ def publish(target: Target, committed_root: dict) -> None:
     if old is not None:
         try:
             old.remove()
-        except Exception as e:  # noqa: BLE001 - the commit stands; only space is lost
+        except Exception as e:  # noqa: BLE001 - the commit stands; a later clean removes it
             log.warning("zarrckpt: committed %s, but could not delete the replaced data at %s: %s",
                         loc.url, old.url, e)
+    if target.lock is not None:
+        target.lock.release()
 
 
 def abandon(target: Target | None) -> None:
@@ -214,10 +247,265 @@ def abandon(target: Target | None) -> None:
                     loc.remove()
     except Exception as e:  # noqa: BLE001 - the save failed already; say what is left
         log.warning("zarrckpt: could not clean up after a failed save to %s: %s", target.location.url, e)
+    finally:
+        if target.lock is not None:
+            target.lock.release()
 
 
 def _only_root(st: Storage) -> bool:
-    import os
-
     return os.listdir(st.local_path) == ["zarr.json"]
+
+
+# ---- retiring a committed checkpoint ------------------------------------------------
+
+
+def retire(location: Storage) -> None:
+    """Delete the checkpoint at ``location`` so that no crash leaves a committed root over
+    partly deleted data (spec §7.6). File systems: under a lock of its own, rename the
+    directory to a hidden leftover name (one atomic step: the checkpoint is gone from the
+    path), then delete it; a crash in between leaves a dead leftover. Object stores:
+    rewrite the root as ``pending`` (conditionally, durably), then delete the other keys,
+    then the root; a crash in between leaves an interrupted save."""
+    if location.can_rename:
+        retire_id = fmt.new_save_id()
+        aside = location.sibling(staging_name(location.name, retire_id))
+        lock = SaveLock.acquire(location, retire_id)
+        try:
+            with location.parent_lock():
+                if not location.exists():
+                    return
+                try:
+                    os.rename(location.local_path.rstrip("/"), aside.local_path.rstrip("/"))
+                except OSError as e:
+                    raise storage_error(f"moving {location.url!r} aside to delete it", e) from e
+            aside.remove()
+        finally:
+            lock.release()
+        return
+    data, generation = location.read_bytes("zarr.json")
+    if data is not None:
+        state, attrs = _classify(location, data)
+        if state == "committed":
+            pending = fmt.root_metadata(state="pending", save_id=fmt.new_save_id(),
+                                        world_size=attrs.get("world_size", 1), created=fmt.utc_now(),
+                                        writer=attrs.get("writer") or {})
+            if not location.write_atomic("zarr.json", encode(pending), if_equal=generation):
+                raise ConcurrentSaveError(f"{location.url!r} changed while it was being deleted; "
+                                          "it was left as it is")
+            location.flush()
+    location.clear(keep=("zarr.json",))
+    location.remove()
+
+
+# ---- liveness of saves, and their leftovers (file systems) -----------------------
+
+
+class SaveLock:
+    """Rank 0's exclusive ``flock`` on ``.<name>.zarrckpt-<id>.lock`` beside the location,
+    taken before any file of the save exists and released (the file deleted) after the
+    save's directory is gone. The kernel releases it when the process dies, SIGKILL
+    included, so a cleaner that can take it knows the save is dead (spec §7.5)."""
+
+    def __init__(self, path: str, fd: int | None) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def acquire(cls, location: Storage, save_id: str) -> SaveLock:
+        import fcntl
+
+        parent = os.path.dirname(location.local_path.rstrip("/"))
+        path = os.path.join(parent, lock_name(location.name, save_id))
+        for _ in range(100):
+            try:
+                os.makedirs(parent, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise storage_error(f"creating the lock file {path!r}", e) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # the file system has no flock: cleaners there cannot lock it either
+                log.warning("zarrckpt: cannot lock %s (%s): cleaners on other hosts may take this save "
+                            "for dead", path, e)
+                return cls(path, fd)
+            if _same_file(fd, path):
+                return cls(path, fd)
+            os.close(fd)  # a cleaner deleted the file between our open and our lock: again
+        raise StorageError(f"could not take the lock {path!r}: it was deleted 100 times in a row")
+
+    def release(self) -> None:
+        """Delete the lock file, then drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("zarrckpt: could not delete the lock file %s: %s", self.path, e)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _take_if_dead(path: str) -> tuple[bool, int | None]:
+    """(dead, fd holding the lock): a lock file that is absent or that we can lock is dead."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by a live save (or no flock here: not known to be dead)
+        os.close(fd)
+        return False, None
+    if not _same_file(fd, path):  # replaced meanwhile: a new save; look again next time
+        os.close(fd)
+        return False, None
+    return True, fd
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What an interrupted save left beside (or at) a checkpoint path on a file system.
+
+    ``kind``: ``"directory"`` (the save's own directory, or data it replaced),
+    ``"claim"`` (a pending root at the path itself), ``"lock"`` (its lock file alone).
+    ``live``: the save still runs (its lock is held); such leftovers are never removed."""
+
+    path: str
+    kind: str
+    name: str
+    save_id: str
+    nbytes: int
+    live: bool
+
+
+def clean_leftovers(directory: str | os.PathLike, *, dry_run: bool = False, name: str | None = None,
+                    keep: tuple[str, ...] = (), options: StorageOptions | None = None) -> list[Leftover]:
+    """Find, under the local ``directory``, what saves left (hidden directories
+    ``.<name>.zarrckpt-<id>``, pending claims, lock files), and remove those of saves
+    that are gone: whose lock file is absent or can be locked (spec §7.5). Returns every
+    leftover found, live ones included (``live=True``, left alone); with ``dry_run`` nothing
+    is removed. ``name``: only leftovers of that checkpoint name; ``keep``: save ids to
+    leave alone. On object stores it returns ``[]`` and removes nothing: an interrupted
+    save there is a pending root at the path itself, and whether its writer still runs
+    cannot be known (no locks); a save with ``overwrite=True`` replaces it."""
+    st = Storage(directory, options)
+    parent = st.local_path
+    if parent is None:
+        return []
+    parent = parent.rstrip("/") or "/"
+    found = []
+    for (nm, sid), items in _scan_leftovers(parent, name).items():
+        if sid in keep:
+            continue
+        dead, fd = _take_if_dead(os.path.join(parent, lock_name(nm, sid)))
+        try:
+            found += [Leftover(os.path.join(parent, entry), kind, nm, sid, _du(os.path.join(parent, entry)),
+                               not dead) for kind, entry in items]
+            if dead and not dry_run:
+                _remove_dead(parent, nm, sid, items)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return found
+
+
+def _scan_leftovers(parent: str, name: str | None) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(name, save id) -> [(kind, entry)] of the leftovers directly under ``parent``."""
+    try:
+        entries = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise storage_error(f"listing {parent!r}", e) from e
+    out: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for entry in entries:
+        path = os.path.join(parent, entry)
+        lock, hidden = _LOCK.fullmatch(entry), _HIDDEN.fullmatch(entry)
+        if lock and (name is None or lock["name"] == name):
+            out.setdefault((lock["name"], lock["id"]), []).append(("lock", entry))
+        elif hidden and os.path.isdir(path) and not os.path.islink(path):
+            if name is None or hidden["name"] == name:
+                out.setdefault((hidden["name"], hidden["id"]), []).append(("directory", entry))
+        elif not lock and not hidden and (name is None or entry == name):
+            sid = _pending_claim(path)
+            if sid is not None:
+                out.setdefault((entry, sid), []).append(("claim", entry))
+    return out
+
+
+def _pending_claim(path: str) -> str | None:
+    """The save id of the pending zarrckpt root in the directory ``path``, if it holds one."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return None
+    state, attrs = _classify(Storage(path), data)
+    sid = attrs.get("save_id")
+    return sid if state == "pending" and isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{16,64}", sid) else None
+
+
+def _remove_dead(parent: str, name: str, save_id: str, items: list[tuple[str, str]]) -> None:
+    """Remove a dead save's leftovers (its lock held by us, or gone), the lock file last."""
+    for kind, entry in items:
+        path = os.path.join(parent, entry)
+        if kind == "directory":
+            _rmtree(path)
+        elif kind == "claim":
+            with Storage(path).parent_lock():  # a new save may be claiming it right now
+                if _pending_claim(path) == save_id:
+                    _rmtree(path)
+        log.info("zarrckpt: removed %s, left by save %s that is no longer running", path, save_id)
+    try:
+        os.unlink(os.path.join(parent, lock_name(name, save_id)))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise storage_error(f"deleting {os.path.join(parent, lock_name(name, save_id))!r}", e) from e
+
+
+def _rmtree(path: str) -> None:
+    def missing_is_fine(func, p, exc_info):  # another cleaner may be deleting it too
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+
+    try:
+        shutil.rmtree(path, onerror=missing_is_fine)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise storage_error(f"deleting {path!r}", e) from e
+
+
+def _du(path: str) -> int:
+    """Bytes of the files under ``path`` (0 if it is gone)."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
+        return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+    except OSError:
+        return 0
+
+
+def _clean_quietly(location: Storage, save_id: str) -> None:
+    """Before a save claims ``location``: remove what dead saves to it left (best effort)."""
+    try:
+        clean_leftovers(os.path.dirname(location.local_path.rstrip("/")), name=location.name,
+                        keep=(save_id,), options=location.options)
+    except Exception as e:  # noqa: BLE001 - only space is lost; the save goes on
+        log.warning("zarrckpt: could not remove what earlier saves to %s left: %s", location.url, e)
 

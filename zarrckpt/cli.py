@@ -326,35 +326,6 @@ def _format_name(name: str | None) -> str | None:
     return name
 
 
-def _check_convert_keys(args: argparse.Namespace, src_fmt: str) -> None:
-    """Refuse ``--keys`` prefixes (the OLD of OLD=NEW) that select no key of the source, before
-    anything is written: the converter would write an empty checkpoint or file. Matched as
-    the converter matches them (string prefixes of the source's keys)."""
-    if not args.keys:
-        return
-    from . import convert as zc
-    from .interop import _common as cm
-
-    source = zc._open_source(src_fmt, args.src, zc.DEFAULT_MEMORY_LIMIT, None, not args.skip_unsupported)
-    try:
-        keys = [_source_key(leaf.path) for leaf in source.leaves()]
-    finally:
-        source.close()
-    olds = [item.split("=", 1)[0] for item in args.keys]
-    zi._check_selects(olds, keys, os.fspath(args.src), test=lambda p: lambda k: cm.key_selector([p])(k) is not None)
-
-
-def _source_key(path: tuple) -> str:
-    """A source leaf's key, as the converter names it (``repr`` of a path that has none)."""
-    from .errors import UnsupportedValueError
-    from .interop import _common as cm
-
-    try:
-        return cm.key_of(path)
-    except UnsupportedValueError:
-        return repr(path)
-
-
 def _keys_arg(items: list[str] | None) -> Any:
     """``--keys model/`` (select) ... or ``--keys model/=`` (rename a prefix): a list of
     prefixes, or a mapping when any item renames (the others keep their names)."""
@@ -403,7 +374,6 @@ def _convert(args: argparse.Namespace) -> int:
             to_fmt = "zarrckpt"
     if to_fmt in _TORCH_FORMATS:
         require("torch", f"converting to {to_fmt}")
-    _check_convert_keys(args, src_fmt)
     options: dict[str, Any] = {"keys": _keys_arg(args.keys), "dtype": _dtype_arg(args.dtype),
                                "overwrite": args.overwrite, "strict": not args.skip_unsupported}
     if args.memory_limit is not None:

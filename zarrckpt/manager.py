@@ -20,15 +20,32 @@ digits, so names sort by step); its root ``zarr.json`` records ``{"step": N, "me
 the root are the manager's whole state, so a job that restarts (on any world size)
 finds them again and a checkpoint copied elsewhere stays self-describing.
 
-Retention (rank 0, after each save has committed): a committed step is kept if it is
-one of the last ``keep_last``, a multiple of ``keep_every``, one of the ``keep_best``
-best by ``best_metric`` (``best_mode`` ``"min"`` or ``"max"``), or the latest; every
-other committed step is deleted, as are interrupted saves (pending roots and the
-hidden directories of saves that died), never the step being written.
+Retention (rank 0): a committed step is kept if it is one of the last ``keep_last``, a
+multiple of ``keep_every``, one of the ``keep_best`` best by ``best_metric``
+(``best_mode`` ``"min"`` or ``"max"``), or the latest; every other committed step is
+deleted (un-committed first, spec §7.6), never a step being written. It runs
+
+* after each commit: synchronous saves run it before ``save`` returns; async saves run
+  it in a background thread of rank 0 as soon as the save commits (no collectives);
+* at a manager's first ``save``, before it starts, on what is on storage (a job killed
+  after its saves leaves no more than the bound below to the next one);
+* and each ``save`` first waits for the previous commit's retention to finish.
+
+So at any moment the committed steps that no ``keep_every``/``keep_best`` rule keeps
+number at most ``keep_last + 1`` (the last ``keep_last`` and one just committed whose
+retention has not run yet), whether the job runs on or is killed after every save.
+
+Leftovers of saves that died (hidden directories, pending claims, lock files; spec
+§7.5) are removed on file systems in the background when the manager is constructed
+and with every retention, only once their writer is known to be gone (its lock is
+free): a live save of another job under the same root is never touched. On object
+stores retention deletes interrupted (pending) steps this manager is not writing: a
+root there must be written by one job at a time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import re
@@ -36,7 +53,8 @@ import signal
 import threading
 from typing import Any
 
-from .errors import CheckpointExistsError, ZarrckptError
+from . import _commit
+from .errors import CheckpointExistsError, FormatError, StorageError, ZarrckptError
 from .storage import Storage
 
 log = logging.getLogger("zarrckpt")
@@ -44,14 +62,15 @@ log = logging.getLogger("zarrckpt")
 __all__ = ["CheckpointManager"]
 
 _STEP = re.compile(r"step_(\d+)")
-_HIDDEN = re.compile(r"\.step_(\d+)\.zarrckpt-.+")  # a save's own directory, or replaced data
 
 
 class CheckpointManager:
     """Save, retain, find and restore per-step checkpoints; see the module docstring.
 
     Every rank of ``process_group`` creates the manager and calls ``save``/``restore``
-    (SPMD). ``save_options`` are passed to every save (``compression``, ``pack_bytes``...).
+    (SPMD). ``save_options`` are passed to every save (``compression``, ``pack_bytes``...);
+    ``storage=StorageOptions(...)`` among them also reaches every restore (unless it passes
+    its own), retention and cleaning.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None,
@@ -80,6 +99,14 @@ class CheckpointManager:
         self._futures: list[tuple[int, Any]] = []  # (step, SaveFuture) of async saves
         self._previous_handlers: dict[int, Any] = {}
         self._closed = False
+        self._lock = threading.Lock()
+        self._writing: set[int] = set()  # steps whose save has not ended yet
+        self._retained = False  # retention ran at least once (the first save runs it first)
+        self._background: cf.ThreadPoolExecutor | None = None  # rank 0: retention, cleaning
+        self._tasks: list[cf.Future] = []
+        self._handoffs: list[threading.Event] = []  # one per async save: retention queued
+        if self.storage.can_rename and self._rank0():
+            self._in_background(self._clean_leftovers)
 
     # ---- paths and steps ------------------------------------------------------
 
@@ -90,11 +117,17 @@ class CheckpointManager:
         return self.storage.list_children()
 
     def _root_state(self, name: str) -> tuple[str, dict]:
+        """('absent' | 'foreign' | 'pending' | 'committed', zarrckpt attributes). A root that
+        cannot be read (after the storage layer's retries) is an error, never skipped: it
+        may be the latest committed step."""
         st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
         try:
             root = st.read_json("zarr.json")
-        except ZarrckptError:
+        except FormatError:
             return "foreign", {}
+        except StorageError as e:
+            raise StorageError(f"cannot read the root of {name} under {self.root!r}, so cannot tell "
+                               f"whether it is a committed step (not skipping it): {e}") from e
         attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
         if not isinstance(attrs, dict):
             return ("absent" if root is None else "foreign"), {}
@@ -138,9 +171,11 @@ class CheckpointManager:
         if self._closed:
             raise ZarrckptError("this CheckpointManager is closed")
         step = int(step)
-        if any(s == step and not f.done() for s, f in self._futures):
-            raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
+        with self._lock:
+            if step in self._writing:
+                raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
         self._collect()
+        self._before_save()
         existing, _ = self._root_state(f"step_{step:08d}")
         if existing == "committed" and not overwrite:
             raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
@@ -150,46 +185,118 @@ class CheckpointManager:
         kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
                       metadata=meta)
         path = self.step_path(step)
+        with self._lock:
+            self._writing.add(step)
+        try:
+            if self.async_save:
+                fut = zarrckpt.async_save(state, path, **kwargs)
+            else:
+                report = zarrckpt.save(state, path, **kwargs)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(step)
+            raise
         if self.async_save:
-            fut = zarrckpt.async_save(state, path, **kwargs)
             self._futures.append((step, fut))
+            handed_off = threading.Event()  # set once its retention is queued
+            self._handoffs.append(handed_off)
+            fut._future.add_done_callback(lambda _, s=step, ev=handed_off: self._after_async_save(s, ev))
             return fut
-        report = zarrckpt.save(state, path, **kwargs)
-        self._retain(writing=set())
+        with self._lock:
+            self._writing.discard(step)
+        self._retain()
         from . import dist as zdist
 
         zdist.group(self.process_group).all_true(True)  # every rank sees retention done
         return report
 
-    def _collect(self) -> None:
-        """Apply retention for async saves that finished."""
-        done = [(s, f) for s, f in self._futures if f.done()]
-        if not done:
+    def _before_save(self) -> None:
+        """Rank 0: wait for the async save in flight and its retention (so that at most one
+        committed step awaits retention); at the first save, apply retention to what is on
+        storage (a killed job's saves)."""
+        if not self._rank0():
             return
+        self._wait_background()  # async_save would wait for the save in flight anyway
+        if not self._retained:
+            self._retain()
+
+    def _after_async_save(self, step: int, handed_off: threading.Event) -> None:
+        """In the async save's thread, once it committed or failed: retention, in the
+        background (rank 0; no collectives)."""
+        try:
+            with self._lock:
+                self._writing.discard(step)
+            if self._rank0():
+                self._in_background(self._retain)
+        finally:
+            handed_off.set()
+
+    def _collect(self) -> None:
+        """Forget async saves that finished, logging those that failed."""
+        done = [(s, f) for s, f in self._futures if f.done()]
         self._futures = [(s, f) for s, f in self._futures if not f.done()]
         for s, f in done:
             if f.exception() is not None:
                 log.error("zarrckpt: async save of step %d failed: %s", s, f.exception())
-        self._retain(writing={s for s, _ in self._futures})
 
-    def _retain(self, writing: set[int]) -> None:
-        """Rank 0: delete what retention does not keep, and interrupted saves."""
+    def _rank0(self) -> bool:
         from . import dist as zdist
 
-        if zdist.group(self.process_group).rank != 0:
+        return zdist.group(self.process_group).rank == 0
+
+    def _in_background(self, fn: Any) -> None:
+        with self._lock:
+            if self._background is None:
+                self._background = cf.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-retention")
+            self._tasks.append(self._background.submit(self._logged, fn))
+
+    @staticmethod
+    def _logged(fn: Any) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - background: nobody to raise to
+            log.error("zarrckpt: %s failed: %s", fn.__name__.strip("_"), e)
+
+    def _wait_background(self) -> None:
+        """Wait until every async save ended and the retention it queued has run."""
+        for ev in list(self._handoffs):
+            ev.wait()
+        self._handoffs = [ev for ev in self._handoffs if not ev.is_set()]
+        with self._lock:
+            tasks, self._tasks = self._tasks, []
+        cf.wait(tasks)
+
+    def _retain(self) -> None:
+        """Rank 0: retire what retention does not keep; remove dead saves' leftovers."""
+        if not self._rank0():
             return
-        scan = self._scan()
+        self._retained = True
+        with self._lock:
+            writing = set(self._writing)
+        try:
+            scan = self._scan()
+        except ZarrckptError as e:  # an unreadable root: deleting on a partial view is unsafe
+            log.warning("zarrckpt: retention skipped this time under %s: %s", self.root, e)
+            return
         committed = sorted(s for s, (state, _, _) in scan.items() if state == "committed")
         keep = set(self._kept(committed, scan))
         for s, (state, _, name) in scan.items():
             if s in writing or s in keep:
                 continue
-            if state in ("committed", "pending"):
-                self._delete(name)
-        for name in self._children():
-            m = _HIDDEN.fullmatch(name)
-            if m and int(m.group(1)) not in writing:
-                self._delete(name)
+            if state == "committed":
+                self._delete(name, retire=True)
+            elif state in ("pending", "absent") and not self.storage.can_rename:
+                # object stores: an interrupted save (or a half-deleted step) of this root's job
+                self._delete(name, retire=False)
+        if self.storage.can_rename:  # file systems: pending claims and hidden directories, if dead
+            try:
+                self._clean_leftovers()
+            except ZarrckptError as e:
+                log.warning("zarrckpt: could not remove leftovers under %s: %s", self.root, e)
+
+    def _clean_leftovers(self) -> None:
+        """Remove what saves that died left under the root (file systems; spec §7.5)."""
+        _commit.clean_leftovers(self.root, options=self.storage.options)
 
     def _kept(self, committed: list[int], scan: dict) -> list[int]:
         if not committed:
@@ -210,9 +317,10 @@ class CheckpointManager:
             keep.update(s for _, s in sorted(scored)[: self.keep_best])
         return sorted(keep)
 
-    def _delete(self, name: str) -> None:
+    def _delete(self, name: str, retire: bool) -> None:
+        st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
         try:
-            Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options).remove()
+            _commit.retire(st) if retire else st.remove()
             log.info("zarrckpt: retention deleted %s/%s", self.root, name)
         except ZarrckptError as e:
             log.warning("zarrckpt: retention could not delete %s/%s: %s", self.root, name, e)
@@ -236,13 +344,15 @@ class CheckpointManager:
     # ---- waiting, closing, preemption -----------------------------------------
 
     def wait(self) -> None:
-        """Wait for async saves in flight, then apply retention; raises the first error."""
+        """Wait for async saves in flight and for retention and cleaning in the background;
+        raises the first save's error."""
         futures = list(self._futures)
         first = None
         for _, f in futures:
             e = f.exception()
             first = first or e
         self._collect()
+        self._wait_background()
         if first is not None:
             raise first
 
@@ -253,6 +363,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._background is not None:
+                self._background.shutdown(wait=True)
             self.uninstall_preemption_handler()
 
     def __enter__(self) -> CheckpointManager:
