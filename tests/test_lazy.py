@@ -323,6 +323,98 @@ def test_pickled_checkpoint_reopens_and_notices_a_replacement(tmp_path):
         pickle.loads(data)
 
 
+# ------------------------------------------------------------------ a handle across an overwrite
+
+
+def _old_and_new(path):
+    """A handle opened on one save, then the path overwritten with other values and shapes."""
+    zarrckpt.save({"big": torch.arange(20000.0), "small": torch.ones(3), "step": 1, "lr": [0.1, 0.2]},
+                  path)
+    ck = zarrckpt.open(path)
+    big, small = ck["big"], ck["small"]
+    assert big.shape == (20000,) and small.shape == (3,)  # metadata read before the overwrite
+    zarrckpt.save({"big": torch.zeros(30000), "small": torch.zeros(5), "step": 2, "lr": [0.3]},
+                  path, overwrite=True)
+    return ck, big, small
+
+
+READS_THROUGH_A_HANDLE = {
+    "lazy slice": lambda ck, big, small: big[:10],
+    "lazy packed slice": lambda ck, big, small: small[:2],
+    "to_numpy": lambda ck, big, small: big.to_numpy(),
+    "np.asarray": lambda ck, big, small: np.asarray(small),
+    "dask": lambda ck, big, small: big.dask(chunks=5000).sum().compute(scheduler="sync"),
+    "read array": lambda ck, big, small: ck.read("big"),
+    "read packed": lambda ck, big, small: ck.read("small"),
+    "value": lambda ck, big, small: ck["step"],
+    "read value": lambda ck, big, small: ck.read("lr/0"),
+    "sub-view value": lambda ck, big, small: ck["lr"]["0"],
+    "to_dict": lambda ck, big, small: ck.to_dict(),
+    "items": lambda ck, big, small: ck.items(),
+    "tensorstore": lambda ck, big, small: ck.tensorstore("big"),
+}
+
+
+@pytest.mark.parametrize("read", list(READS_THROUGH_A_HANDLE), ids=list(READS_THROUGH_A_HANDLE))
+def test_reads_through_a_handle_after_an_overwrite_are_refused(tmp_path, read):
+    ck, big, small = _old_and_new(tmp_path / "c")
+    with pytest.raises(zarrckpt.CheckpointChangedError, match="replaced while it was being read"):
+        READS_THROUGH_A_HANDLE[read](ck, big, small)
+    with pytest.raises(zarrckpt.CheckpointChangedError):
+        ck.check_unchanged()
+    fresh = zarrckpt.open(tmp_path / "c")  # a new handle reads the new save
+    assert fresh["step"] == 2 and fresh["big"].shape == (30000,) and fresh["lr"].to_dict() == [0.3]
+    assert not fresh["big"][:10].any() and fresh.read("small").tolist() == [0] * 5
+
+
+def test_a_read_that_races_an_overwrite_is_caught_after_it(tmp_path, monkeypatch):
+    """The check comes after the data: an overwrite landing while a read is in flight is
+    caught, whichever save's bytes the read returned."""
+    from zarrckpt import reader
+
+    zarrckpt.save({"big": torch.arange(20000.0), "step": 1}, tmp_path / "c", pack_bytes=0)
+    ck = zarrckpt.open(tmp_path / "c")
+    real_wait, real_ts = reader.wait_all, reader.Checkpoint._tensorstore
+
+    def overwrite():
+        zarrckpt.save({"big": torch.full((20000,), 7.0), "step": 2}, tmp_path / "c", overwrite=True,
+                      pack_bytes=0)
+
+    def wait_then_overwrite(reads):
+        out = real_wait(reads)  # the data is read (old bytes) ...
+        overwrite()  # ... and the checkpoint is replaced before the call returns
+        return out
+
+    monkeypatch.setattr(reader, "wait_all", wait_then_overwrite)
+    with pytest.raises(zarrckpt.CheckpointChangedError):
+        ck.read("big")
+    monkeypatch.undo()
+
+    ck = zarrckpt.open(tmp_path / "c")
+    big = ck["big"]
+
+    def handle_then_overwrite(self, key):
+        handle = real_ts(self, key)  # opened on the old save; the read comes after the overwrite
+        overwrite()
+        return handle
+
+    monkeypatch.setattr(reader.Checkpoint, "_tensorstore", handle_then_overwrite)
+    with pytest.raises(zarrckpt.CheckpointChangedError):
+        big[:5]
+
+
+def test_unchanged_handle_reads_without_fetching_the_root_again(tmp_path):
+    zarrckpt.save({"big": torch.arange(20000.0)}, tmp_path / "c", pack_bytes=0)
+    before = file_bytes_read()
+    ck = zarrckpt.open(tmp_path / "c")
+    assert file_bytes_read() - before >= (tmp_path / "c" / "zarr.json").stat().st_size  # counted
+    before = file_bytes_read()
+    ck.check_unchanged()
+    assert file_bytes_read() == before  # a conditional read: no bytes while unchanged
+    os.utime(tmp_path / "c" / "zarr.json", ns=(1, 1))  # the same bytes, touched: still the same save
+    assert ck.read("big")[-1] == 19999.0
+
+
 # ------------------------------------------------------------------ without torch
 
 

@@ -123,6 +123,48 @@ def test_load_state_dict_selected_keys(tmp_path):
         zarrckpt.load_state_dict(tmp_path / "c", keys=["nope"])
 
 
+def test_load_state_dict_keys_suggest_near_keys_and_take_prefixes_with_a_slash(tmp_path):
+    zarrckpt.save({"model": {"a": torch.ones(2), "b": torch.zeros(2)}, "optim": {"x": 1}}, tmp_path / "c")
+    with pytest.raises(zarrckpt.MissingKeysError, match=r"'modle' in checkpoint .*did you mean 'model'") as ei:
+        zarrckpt.load_state_dict(tmp_path / "c", keys=["modle"])
+    assert isinstance(ei.value, KeyError)
+    with pytest.raises(zarrckpt.MissingKeysError, match=r"did you mean 'model/a'"):
+        zarrckpt.open(tmp_path / "c").to_dict(["model/aa"])
+    for keys in (["model/"], ["model"]):  # a trailing slash is a prefix, as in the CLI
+        out = zarrckpt.load_state_dict(tmp_path / "c", keys=keys)
+        assert set(out) == {"model"} and set(out["model"]) == {"a", "b"}
+    assert zarrckpt.open(tmp_path / "c").to_dict(["optim/"]) == {"optim": {"x": 1}}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(4, 4).to_sparse(),
+    lambda: torch.zeros(4, 4).to_sparse_csr(),
+    lambda: torch.quantize_per_tensor(torch.zeros(4, 4), 0.1, 0, torch.qint8),
+    lambda: torch.nested.nested_tensor([torch.zeros(4), torch.zeros(4)]),
+], ids=["sparse_coo", "sparse_csr", "quantized", "nested"])
+def test_unsupported_layout_targets_are_refused_with_the_reason(tmp_path, make):
+    zarrckpt.save({"w": torch.ones(4, 4), "b": torch.ones(2)}, tmp_path / "c")
+    b = torch.zeros(2)
+    target = make()
+    kind = {torch.sparse_coo: r"sparse tensor \(torch.sparse_coo\)",
+            torch.sparse_csr: r"sparse tensor \(torch.sparse_csr\)"}.get(target.layout)
+    reason = kind or ("quantized" if target.is_quantized else "nested")
+    with pytest.raises(zarrckpt.UnsupportedValueError, match=rf"load target 'w' is a {reason}.*dense") as ei:
+        zarrckpt.load({"w": target, "b": b}, tmp_path / "c")
+    assert "share memory" not in str(ei.value)
+    assert not b.any()  # refused before anything was loaded
+
+
+def test_conjugate_view_targets_get_the_saved_values(tmp_path):
+    v = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    zarrckpt.save({"w": v, "n": v}, tmp_path / "c")
+    base, nbase = torch.zeros(3, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64)
+    target = {"w": base.conj(), "n": torch._neg_view(nbase)}
+    zarrckpt.load(target, tmp_path / "c")
+    assert torch.equal(target["w"], v) and torch.equal(base, v.conj())
+    assert torch.equal(target["n"], v) and torch.equal(nbase, -v)
+
+
 def test_cast_and_key_map(tmp_path):
     w = torch.randn(4, 4).to(torch.bfloat16)
     zarrckpt.save({"model": {"old.weight": w}}, tmp_path / "c")
@@ -186,7 +228,8 @@ def test_missing_and_unexpected_keys(tmp_path):
         zarrckpt.load({"a": a}, tmp_path / "c", strict="yes")
     c = torch.zeros(2)
     rep = {}
-    zarrckpt.load({"a": a, "c": c}, tmp_path / "c", strict=False, report=rep)
+    with pytest.warns(UserWarning, match="strict=False.*'b'"):  # stored values left: said, not silent
+        zarrckpt.load({"a": a, "c": c}, tmp_path / "c", strict=False, report=rep)
     assert torch.equal(a, torch.ones(2)) and torch.count_nonzero(c) == 0
     assert rep["missing"] == ["c"] and rep["unexpected"] == ["b"]
 

@@ -231,3 +231,13 @@ except zarrckpt.MissingDependencyError as e:
     print("ok")
 """, blocked=("torch", "xarray"))
     assert out.stdout.strip() == "ok", out.stdout + out.stderr[-3000:]
+
+
+def test_a_dataset_over_a_replaced_checkpoint_refuses_to_compute(tmp_path):
+    zarrckpt.save({"w": torch.arange(6000.0).reshape(60, 100)}, tmp_path / "c", pack_bytes=0)
+    ds = zarrckpt.open(tmp_path / "c").to_xarray()
+    assert float(ds["w"].sum().compute()) == float(sum(range(6000)))
+    zarrckpt.save({"w": torch.zeros(60, 100)}, tmp_path / "c", overwrite=True, pack_bytes=0)
+    with pytest.raises(zarrckpt.CheckpointChangedError):
+        ds["w"].sum().compute(scheduler="threads")
+    assert float(zarrckpt.open(tmp_path / "c").to_xarray()["w"].sum().compute()) == 0.0

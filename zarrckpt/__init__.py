@@ -7,7 +7,7 @@ The whole public API::
     wait_for_saves(timeout=None)           # every async save of this process, done
     reserve_staging(state_dict | nbytes)   # allocate async staging memory up front
     release_staging()
-    load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False)
+    load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False, report=None)
     load_state_dict(path, keys=None) -> dict of plain CPU tensors
     open(path) -> Checkpoint          # torch-free, lazy, read-only view (LazyArray leaves)
     open_run(paths_or_manager_dir) -> xarray.Dataset with a step dimension (dask-backed)
@@ -95,19 +95,42 @@ __all__ = [
 
 def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
          metadata: dict | None = None, **options: Any) -> dict:
-    """Save ``state_dict`` to ``path``; every rank of ``process_group`` calls it (SPMD).
+    """Save ``state_dict`` to ``path`` (a directory, or an ``s3://`` / ``gs://`` URL).
+    Every rank of ``process_group`` calls it with its own shards (SPMD); it also works
+    in one process without a process group. Returns this rank's report (bytes written,
+    seconds per phase).
 
-    Leaves may be tensors, DTensors, ``bytes``, NumPy arrays, JSON-able values, or
-    Stateful objects (``state_dict()``/``load_state_dict()``), ``io.BytesIO``, and
-    ShardedTensors with a ChunkShardingSpec. Returns this rank's report (bytes written,
-    seconds per phase). ``metadata``: a JSON object stored in the root ``zarr.json``
-    (rank 0's; the CheckpointManager records the step and metrics there).
-    Options: see ``zarrckpt._save.SaveOptions``.
+    Leaves may be tensors, DTensors, ShardedTensors with a ``ChunkShardingSpec``,
+    ``bytes``, ``io.BytesIO``, NumPy arrays, JSON-able values, and Stateful objects
+    (anything with ``state_dict()`` and ``load_state_dict()``, such as a model or an
+    optimizer). Leaves that cannot be stored (sparse, quantized, meta tensors, other
+    objects) raise an error naming the key before anything is written.
 
-    On a local file system the new checkpoint is written next to ``path`` and moved
-    into place when committed: an existing checkpoint there stays loadable until then.
-    If any rank fails, every rank raises an error of the same class and the path is
-    left as it was.
+    ``overwrite``: replace a checkpoint already at ``path`` (without it, that is an error).
+    ``metadata``: a JSON object recorded in the checkpoint (``zarrckpt.open(path).metadata``;
+    rank 0's is kept).
+
+    Options (keywords):
+
+    * ``compression``: None (default), ``"zstd"``, ``"gzip"`` or ``{"name": "zstd", "level": 3}``.
+    * ``inner_chunk_bytes``: the smallest piece a later load on another layout reads
+      (default 1 MiB).
+    * ``pack_bytes``: plain tensors up to this size are stored together, one array per
+      rank (default 64 KiB; 0 stores every leaf as its own Zarr array, for generic Zarr tools).
+    * ``replica_split_bytes``: replicated tensors at least this big are written by
+      several replicas, each a part (default 64 MiB; None: one writer).
+    * ``max_staging_bytes``: host memory for copying GPU tensors out (default 1 GiB).
+    * ``max_inflight_bytes``: bytes being written at once (default 256 MiB).
+    * ``storage``: a :class:`StorageOptions` (threads, fsync, object-store endpoint, retries).
+
+    Every rank must pass the same ``path``, ``overwrite``, ``compression``,
+    ``inner_chunk_bytes``, ``pack_bytes`` and ``replica_split_bytes``: ranks that disagree
+    are refused before anything is written.
+
+    The checkpoint becomes visible only once complete. On a local file system it is
+    written next to ``path`` and moved into place at the end, so a checkpoint already
+    there stays loadable until then. If any rank fails, every rank raises an error of
+    the same class naming the failing ranks, and ``path`` is left as it was.
     """
     from ._save import SaveOptions, SaveRun, run_save
 
@@ -117,16 +140,20 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
                metadata: dict | None = None, overlap: bool = False, **options: Any):
-    """Like :func:`save`, but returns once the copies of the local shards to (pinned,
-    reused) host buffers are issued; writing and the commit finish in a background
-    thread. CUDA shards are copied on a side stream; the current stream waits for those
-    copies (GPU-side), so the next steps queued on it cannot change the state too early,
-    while the CPU goes on at once. ``overlap=True``: the current stream does not wait
-    either (compute overlaps the copies); call ``fut.wait_staged(stream)`` before the
-    optimizer changes the state. Returns a ``SaveFuture``: ``staged_seconds`` is the
-    time the call blocked, ``result()`` waits for the commit and returns the report or
-    raises. One save in flight at a time:
-    a second call (from any thread) first waits until the previous save has committed.
+    """Like :func:`save` (same arguments), but training goes on while it writes: the call
+    returns once this rank's shards are being copied to host memory (a buffer reused by
+    every later save), and writing finishes in a background thread.
+
+    GPU shards are copied on a side stream; work queued afterwards on the current
+    stream waits for those copies on the GPU, so the next optimizer step cannot change
+    the state too early, while the Python code goes on at once. ``overlap=True``: the
+    current stream does not wait either; call ``fut.wait_staged(stream)`` before the
+    optimizer changes the state.
+
+    Returns a ``SaveFuture``: ``staged_seconds`` (how long the call blocked), ``done()``,
+    ``result()`` (waits, then returns the report or raises the save's error). One save
+    is in flight per process: a second call (from any thread) first waits until the
+    previous one has finished. Call :func:`wait_for_saves` before exiting.
     """
     from ._async import async_save as _async_save
 
@@ -138,24 +165,35 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
          key_map: Any = None, cast: bool = False, report: dict | None = None,
          max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
          storage: StorageOptions | None = None) -> dict:
-    """Load ``path`` in place into the tensors/DTensors of ``state_dict`` (any mesh,
-    placements and world size), set non-tensor values, call ``load_state_dict`` on
-    Stateful leaves, and return ``state_dict``.
+    """Load the checkpoint at ``path`` into ``state_dict`` in place and return ``state_dict``.
 
-    Every rank of ``process_group`` calls it (two small all-reduces); if it fails on
-    one rank it fails on all, with an error of the same class naming the ranks.
-
-    ``strict``: True (default): target keys missing from the checkpoint are an error,
-    checkpoint keys the target lacks are reported (``report["unexpected"]``) — as in
-    DCP, since pipeline and expert parallel ranks hold only their share; ``"exact"``:
-    both are errors; False: neither.
+    Tensors, DTensors and ShardedTensors are filled in place, whatever mesh, placements
+    and number of processes saved them (each rank reads only what its shards hold);
+    other values are set in their containers; Stateful objects (a model, an optimizer)
+    get ``load_state_dict`` with their loaded state, in key order, and stay in their
+    slots. An empty dict or list of the target where the checkpoint has entries (the
+    ``state`` of a never-stepped optimizer) is filled with plain CPU tensors and values
+    as saved; for optimizers of FSDP2/TP models, whose state must be sharded, this is
+    refused: load into ``get_state_dict(model, optim)`` from
+    ``torch.distributed.checkpoint.state_dict`` and apply it with ``set_state_dict``.
     Targets on the meta device are replaced by real tensors in the returned dict.
-    ``key_map``: dict or callable from target key to checkpoint key (renamed modules).
-    ``cast``: convert saved dtypes to the target's (otherwise a mismatch is an error).
-    ``report``: a dict to fill with bytes needed/fetched and seconds per phase.
-    ``max_staging_bytes``: host buffer for device targets and casts (streamed through).
-    ``max_inflight_bytes``: bytes of reads in flight (TensorStore buffers whole shards).
-    ``storage``: ``StorageOptions`` (object-store endpoint, credentials, retries ...).
+
+    Every rank of ``process_group`` calls it. Every target is checked against the
+    checkpoint on every rank before any is written; if the load fails on one rank it
+    fails on all, with an error of the same class naming the ranks. A checkpoint
+    replaced (overwritten) while it is read raises ``CheckpointChangedError``.
+
+    ``strict``: True (default): keys of the target missing from the checkpoint are an
+    error; keys of the checkpoint the target lacks are normal (pipeline and expert
+    parallel ranks hold only their share) and listed in ``report["unexpected"]``.
+    ``"exact"``: both are errors. False: neither; keys left unloaded are named in a warning.
+    ``key_map``: a dict or function from target key to checkpoint key (renamed modules).
+    ``cast``: convert saved dtypes to the target's (without it a mismatch is an error).
+    ``report``: a dict to fill with bytes needed and read, seconds per phase, and the
+    missing and unexpected keys.
+    ``max_staging_bytes``: host memory for loading into GPU targets and for casts.
+    ``max_inflight_bytes``: bytes being read at once.
+    ``storage``: a :class:`StorageOptions` (object-store endpoint, credentials, retries ...).
     """
     from ._load import load as _load
 
@@ -191,9 +229,12 @@ def release_staging() -> None:
 
 def load_state_dict(path: Any, keys: list[str] | None = None, *,
                     storage: StorageOptions | None = None, max_inflight_bytes: int = 256 << 20) -> dict:
-    """One process, no preallocation: the nested state dict with plain CPU tensors
-    (all of it, or only ``keys`` — exact keys or prefixes such as ``"model"``), every
-    array read concurrently in pieces."""
+    """The checkpoint at ``path`` as a nested dict of plain CPU tensors (of the saved
+    dtypes) and values, in one process, without preparing targets. ``keys``: only these
+    exact keys or prefixes (``"model"`` or ``"model/"`` for everything under ``model``);
+    a key that is neither raises ``MissingKeysError`` naming the nearest keys.
+    Arrays are read concurrently (``max_inflight_bytes`` at once). A checkpoint replaced
+    while it is read raises ``CheckpointChangedError``."""
     from ._load import load_state_dict as _lsd
 
     return _lsd(path, keys, storage=storage, max_inflight_bytes=max_inflight_bytes)

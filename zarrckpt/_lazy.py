@@ -12,6 +12,10 @@ TensorStore, which fetches only the chunks (with sharding: inner chunks) the sel
 touches, verifies their CRC-32C, and fails on a missing chunk instead of returning fill
 values. TensorStore does not wrap negative indices, so they are turned into NumPy's
 meaning here first.
+
+Every read (indexing, ``to_numpy``, a dask task) checks afterwards that the checkpoint
+was not replaced since it was opened, and raises ``CheckpointChangedError`` if it was
+(see :mod:`zarrckpt.reader`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 import hashlib
 import itertools
 import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +37,19 @@ from .storage import translate_error
 if TYPE_CHECKING:
     from .reader import Checkpoint
 
-__all__ = ["LazyArray", "normalize_index", "saved_layout", "format_bytes", "placement_str"]
+__all__ = ["LazyArray", "checked_read", "normalize_index", "saved_layout", "format_bytes", "placement_str"]
+
+
+def checked_read(method: Callable) -> Callable:
+    """A method of an object with a ``_ck`` (its checkpoint) that reads as one read: the
+    root is checked after it (spec §7.3), see ``CheckpointView.reading``."""
+
+    @functools.wraps(method)
+    def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._ck.reading():
+            return method(self, *args, **kwargs)
+
+    return read
 
 
 class LazyArray:
@@ -158,6 +175,7 @@ class LazyArray:
 
     # ---- data ---------------------------------------------------------------
 
+    @checked_read
     def __getitem__(self, index: Any) -> Any:
         """NumPy-style selection; reads only the chunks it touches."""
         if self.packed:
@@ -176,6 +194,7 @@ class LazyArray:
             return np.frombuffer(value, np.uint8).copy()
         return value
 
+    @checked_read
     def to_numpy(self) -> np.ndarray:
         """The whole array as a NumPy array (read concurrently, straight into it)."""
         if self.packed or self.kind in fmt.BYTE_KINDS:

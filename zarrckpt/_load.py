@@ -7,17 +7,22 @@ the failing ranks)::
 
     open()      read and check the root (committed, format version)
     match()     target keys -> checkpoint keys (key_map); missing keys are an error,
-                keys the target lacks are reported (strict="exact": an error too)
-    validate()  every tensor target: shape, dtype (or cast), writable memory (no
-                stride-0 views); meta targets get real tensors. Nothing is touched
-                before every check passed on every rank.
+                keys the target lacks are reported (strict="exact": an error too);
+                an empty container of the target (a fresh optimizer's ``state``)
+                where the checkpoint holds a subtree is filled from it
+    validate()  every tensor target: shape, dtype (or cast), dense writable memory
+                (no sparse, no stride-0 views); meta targets get real tensors. Nothing
+                is touched before every check passed on every rank.
     C1
     read()      every region read, straight into CPU targets of the saved dtype, else
-                through a bounded (pinned) arena then ``copy_``; then the root is
-                read again: a checkpoint replaced meanwhile is an error
+                through a bounded (pinned) arena then ``copy_``; non-tensor values and
+                filled subtrees read; then the root is checked again: a checkpoint
+                replaced meanwhile is CheckpointChangedError (also when a document or
+                chunk check failed because of it)
     C2
-    apply()     non-tensor values set, ``load_state_dict`` on Stateful leaves in key
-                order (the same order on every rank)
+    apply()     values set in the caller's containers (a Stateful stays in its slot),
+                ``load_state_dict`` on Stateful leaves in key order (the same order on
+                every rank)
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import io
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,19 +42,17 @@ from . import dist as zdist
 from . import dtypes
 from . import tree as ztree
 from ._io import InFlight
-from ._state import is_array_leaf, is_stateful, resolve_stateful
+from ._state import checked_target, is_array_leaf, is_stateful, needs_initialized_state, owner_of, resolve_stateful
 from .errors import (
-    CheckpointChangedError,
     DTypeMismatchError,
     LoadFailedError,
     MissingKeysError,
     ShapeMismatchError,
     StateDictMismatchError,
     UnexpectedKeysError,
-    ZarrckptError,
 )
 from .layout import Layout, Replicate, slices as _slices
-from .reader import Checkpoint
+from .reader import Checkpoint, CheckpointView
 from .staging import streaming_arena
 from .storage import StorageOptions, translate_error
 
@@ -92,8 +96,10 @@ class LoadRun:
         self.storage = storage
         self.ckpt: Checkpoint | None = None
         self.resolved: Any = None
+        self.stateful: dict[tuple, Any] = {}  # key path -> the caller's Stateful there
         self.targets: list[tuple[tuple, Any, str]] = []  # (key path, target leaf, checkpoint key)
         self.tensors: list[tuple[tuple, Any, str]] = []  # the tensor targets among them
+        self.fills: list[tuple[tuple, str]] = []  # (key path of an empty container, checkpoint prefix)
         self.infos: dict = {}
         self.missing: list[str] = []
         self.unexpected: list[str] = []
@@ -109,11 +115,15 @@ class LoadRun:
     def match(self) -> None:
         t0 = time.perf_counter()
         ckpt = self.ckpt
-        self.resolved = resolve_stateful(self.state_dict)
+        self.resolved = resolve_stateful(self.state_dict, found=self.stateful)
         seen = set()
         for kp, leaf in ztree.flatten(self.resolved, is_array_leaf):
             tkey = ztree.key_of(kp)
             ckey = self.mapped(tkey)
+            if ckey not in ckpt and _is_empty_container(leaf) and ckey in ckpt._groups:
+                self.fills.append((kp, ckey))  # e.g. a fresh optimizer's empty "state"
+                seen.update(_keys_under(ckpt, ckey))
+                continue
             if ckey not in ckpt:
                 self.missing.append(tkey if ckey == tkey else f"{tkey} (-> {ckey})")
                 continue
@@ -131,8 +141,15 @@ class LoadRun:
         self._timed("plan", t0)
 
     def validate(self) -> None:
-        """Check every tensor target against the checkpoint; touch nothing."""
+        """Check every tensor target against the checkpoint, and that every subtree to fill
+        can be filled; touch nothing."""
         t0 = time.perf_counter()
+        with self.ckpt.reading():
+            self._validate_tensors()
+            self._validate_fills()
+        self._timed("plan", t0)
+
+    def _validate_tensors(self) -> None:
         ckpt = self.ckpt
         self.tensors = [t for t in self.targets if isinstance(t[1], torch.Tensor)]
         for kp, _, ck in self.tensors:
@@ -145,6 +162,7 @@ class LoadRun:
         for kp, leaf, ck in self.tensors:
             info = self.infos[ck]
             where = ztree.key_of(kp) + (f" (checkpoint key {ck!r})" if ck != ztree.key_of(kp) else "")
+            checked_target(leaf, where)  # sparse, nested, quantized: the reason, before shapes
             if info.kind in ("bytes", "bytesio"):
                 raise StateDictMismatchError(f"tensor {where!r}: the checkpoint holds bytes there")
             if tuple(leaf.shape) != info.shape:
@@ -157,6 +175,7 @@ class LoadRun:
                 leaf = _materialize(leaf)
                 self.resolved = ztree.set_at(self.resolved, kp, leaf)
             for local, _ in _target_pieces(leaf, where):
+                checked_target(local, where)  # a DTensor's local tensor, a ShardedTensor's shards
                 if torch._debug_has_internal_overlap(local) == 1:
                     raise StateDictMismatchError(
                         f"tensor {where!r}: the target's elements share memory (an expanded or "
@@ -164,43 +183,61 @@ class LoadRun:
                         "element. Pass a tensor that owns its memory (e.g. .clone()).")
             checked.append((kp, leaf, ck))
         self.tensors = checked
-        self._timed("plan", t0)
+
+    def _validate_fills(self) -> None:
+        """A subtree is filled with plain CPU tensors and values, as saved (the Stateful's
+        ``load_state_dict`` then moves them, as ``torch.optim.Optimizer`` does to its
+        parameters' devices). Refused where plain tensors would be wrong: the checkpoint
+        holds DTensors/ShardedTensors there, or the owner is an optimizer of sharded
+        parameters (FSDP2/TP), whose state must be sharded like them."""
+        ckpt = self.ckpt
+        for kp, ck in self.fills:
+            stored = [k for k in _keys_under(ckpt, ck) if ckpt.is_array(k) and not ckpt.is_packed(k)]
+            infos = ckpt.array_infos(stored)
+            sharded = [k for k in stored if infos[k].kind in ("dtensor", "sharded_tensor")]
+            owner = owner_of(self.stateful, kp)
+            if sharded or needs_initialized_state(owner):
+                raise StateDictMismatchError(_fill_refused(ztree.key_of(kp), ck, owner, sharded))
 
     def read(self) -> None:
         t0 = time.perf_counter()
+        with self.ckpt.reading():  # one read: the root is checked after it (spec §7.3)
+            self._read_all()
+        self._timed("read", t0)
+
+    def _read_all(self) -> None:
+        ckpt = self.ckpt
         todo = []
         staged = 0  # bytes of targets that go through the staging arena (device, casts)
         for kp, leaf, ck in self.tensors:
             for local, boxes in _target_pieces(leaf, ztree.key_of(kp)):
                 if boxes:
                     todo.append((ck, boxes, local))
-                    if local.device.type != "cpu" or local.dtype != dtypes.torch_dtype(self.infos[ck].dtype):
+                    if not _direct(local, dtypes.torch_dtype(self.infos[ck].dtype)):
                         staged += local.numel() * max(local.element_size(), self.infos[ck].dtype.numpy.itemsize)
-        self.reads = reads = _Reads(self.ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
-        try:
-            with reads:
-                reads.open({ck for ck, _, _ in todo}, self.infos)
-                for ck, boxes, local in todo:
-                    reads.add(ck, self.infos[ck], boxes, local)
-                reads.finish()
-        except ZarrckptError:
-            self.check_unchanged()  # a replaced checkpoint explains missing chunks best
-            raise
-        self.check_unchanged()
-        self._timed("read", t0)
-
-    def check_unchanged(self) -> None:
-        check_unchanged(self.ckpt)
-
-    def apply(self) -> None:
-        """Set non-tensor values; Stateful leaves in key order, the same on every rank."""
-        t0 = time.perf_counter()
-        resolved = self.resolved
+        fill_arrays = [k for _, ck in self.fills for k in _keys_under(ckpt, ck) if ckpt.is_array(k)]
+        infos = {**self.infos, **ckpt.array_infos(fill_arrays)}
+        self.reads = reads = _Reads(ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
+        with reads:
+            reads.open({ck for ck, _, _ in todo} | {k for k in fill_arrays if not ckpt.is_packed(k)}, infos)
+            for ck, boxes, local in todo:
+                reads.add(ck, self.infos[ck], boxes, local)
+            plain = _plain_tensors(reads, infos, fill_arrays)
+            reads.finish()
+        filled = {k: _as_leaf(infos[k], plain[k]) for k in fill_arrays}
+        for kp, ck in self.fills:
+            sub = CheckpointView(ckpt, ck).to_dict(load_array=filled.__getitem__)
+            self.resolved = ztree.set_at(self.resolved, kp, sub)
         for kp, leaf, ck in self.targets:
             if not isinstance(leaf, torch.Tensor):
-                resolved = ztree.set_at(resolved, kp, _load_value(self.ckpt, ck))
+                self.resolved = ztree.set_at(self.resolved, kp, _load_value(ckpt, ck))
+
+    def apply(self) -> None:
+        """Set the values read into the caller's containers; Stateful leaves in key order,
+        the same on every rank."""
+        t0 = time.perf_counter()
         stateful: list[tuple[str, Any, Any]] = []
-        _apply(self.state_dict, resolved, (), stateful)
+        _apply(self.state_dict, self.resolved, (), stateful)
         for _, obj, value in sorted(stateful, key=lambda s: s[0]):
             obj.load_state_dict(value)
         self._timed("apply", t0)
@@ -214,18 +251,29 @@ class LoadRun:
                 "seconds": {**self.timings, "total": sum(self.timings.values())}}
 
 
-def check_unchanged(ckpt: Checkpoint) -> None:
-    """The root still names the save a read started from (spec §7.3): a checkpoint
-    replaced while it was being read is an error, not a mix of two saves."""
-    root = ckpt.storage.read_json("zarr.json")
-    attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
-    now = attrs.get("save_id") if isinstance(attrs, dict) else None
-    state = attrs.get("state") if isinstance(attrs, dict) else None
-    if now != ckpt.info.save_id or state != "committed":
-        raise CheckpointChangedError(
-            f"checkpoint {ckpt.url!r} was replaced while it was being read (save "
-            f"{ckpt.info.save_id} -> {now or 'none'}, state {state!r}); what was read mixes "
-            "both: load again")
+def _is_empty_container(leaf: Any) -> bool:
+    return isinstance(leaf, (dict, list, tuple)) and not leaf
+
+
+def _keys_under(ckpt: Checkpoint, prefix: str) -> list[str]:
+    """The checkpoint's leaf keys under ``prefix`` (full keys, stored order; no I/O)."""
+    return CheckpointView(ckpt, prefix)._full_keys
+
+
+def _fill_refused(key: str, ck: str, owner: Any, sharded: list[str]) -> str:
+    """Why an empty subtree of the target cannot be filled from the checkpoint, and what to call."""
+    what = f"{type(owner).__name__}'s state_dict()" if owner is not None else "target"
+    why = (f"the checkpoint holds DTensors/ShardedTensors there ({_fmt_keys(sharded, 3)}), whose "
+           "target placements an empty container does not give" if sharded else
+           "its parameters are DTensors (FSDP2/TP) or FSDP flat parameters, so its state must be "
+           "sharded like them")
+    where = f"key {key!r}" + (f" (checkpoint prefix {ck!r})" if ck != key else "")
+    return (f"{where}: the {what} is empty there (a fresh optimizer has no state yet) and {why}. "
+            "Create the state first and load into it: model_sd, optim_sd = "
+            "torch.distributed.checkpoint.state_dict.get_state_dict(model, optim); "
+            "zarrckpt.load({'model': model_sd, 'optim': optim_sd}, path); set_state_dict(model, optim, "
+            "model_state_dict=..., optim_state_dict=...) (save it the same way). "
+            "zarrckpt.load_state_dict(path) reads the stored state as plain CPU tensors.")
 
 
 def load(
@@ -244,6 +292,7 @@ def load(
     if strict not in STRICT_MODES:
         raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
     g = zdist.group(process_group)
+    g.enter("load")  # every rank called load (else a DistributedError names who did not)
     run = None
     error = None
     try:
@@ -267,6 +316,11 @@ def load(
     if run.unexpected:
         log.info("zarrckpt load %s: %d checkpoint key(s) not in the target: %s", rep["path"],
                  len(run.unexpected), _fmt_keys(run.unexpected))
+    if run.unexpected and strict is False:
+        warnings.warn(f"zarrckpt.load(strict=False) left {len(run.unexpected)} stored key(s) of "
+                      f"{rep['path']!r} unloaded (the target has no place for them): "
+                      f"{_fmt_keys(run.unexpected)}; they are listed in report['unexpected']",
+                      UserWarning, stacklevel=4)  # the caller of zarrckpt.load
     if report is not None:
         report.update(rep)
     return state_dict
@@ -311,7 +365,7 @@ class _Reads:
 
     def add(self, key: str, info: Any, boxes: list, local: torch.Tensor) -> None:
         saved = dtypes.torch_dtype(info.dtype)
-        direct = local.device.type == "cpu" and local.dtype == saved
+        direct = _direct(local, saved)
         if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
             dst = dtypes.to_numpy(local.detach()) if direct else self._staging(tuple(local.shape), saved, local)
             full = self.ckpt.read(key)
@@ -403,6 +457,12 @@ class _Reads:
         self._lease.close()
 
 
+def _direct(local: torch.Tensor, saved: torch.dtype) -> bool:
+    """Read straight into ``local``'s memory: a CPU tensor of the saved dtype whose bits are
+    its values (a conjugate or negative view goes through staging and ``copy_``)."""
+    return local.device.type == "cpu" and local.dtype == saved and not local.is_conj() and not local.is_neg()
+
+
 def _read_unit(info: Any) -> tuple[int, ...]:
     """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
     for c in info.metadata.get("codecs", []):
@@ -487,18 +547,32 @@ def _target_pieces(leaf: torch.Tensor, key: str) -> list[tuple[torch.Tensor, lis
 
 def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:
     """Write loaded values back into the caller's structure; Stateful leaves are collected
-    (with their key) for ``load_state_dict`` in key order."""
+    (with their key) for ``load_state_dict`` in key order and stay in their slots (the
+    container's ``__setitem__`` is not called for them, as in DCP). An empty dict or list
+    filled from the checkpoint is filled in place."""
     if is_stateful(orig):
         stateful.append((ztree.key_of(path), orig, res))
         return orig
+    if _is_empty_container(orig) and isinstance(res, (dict, list, tuple)) and res:
+        if isinstance(orig, dict) and isinstance(res, dict):
+            orig.update(res)
+            return orig
+        if isinstance(orig, list) and isinstance(res, list):
+            orig.extend(res)
+            return orig
+        return res
     if isinstance(orig, dict) and isinstance(res, dict):
         for k in orig:
             if k in res:
-                orig[k] = _apply(orig[k], res[k], path + (k,), stateful)
+                new = _apply(orig[k], res[k], path + (k,), stateful)
+                if not is_stateful(orig[k]):
+                    orig[k] = new
         return orig
     if isinstance(orig, list) and isinstance(res, (list, tuple)) and len(orig) == len(res):
         for i in range(len(orig)):
-            orig[i] = _apply(orig[i], res[i], path + (i,), stateful)
+            new = _apply(orig[i], res[i], path + (i,), stateful)
+            if not is_stateful(orig[i]):
+                orig[i] = new
         return orig
     if isinstance(orig, tuple) and isinstance(res, (list, tuple)) and len(orig) == len(res):
         return type(orig)(_apply(o, r, path + (i,), stateful) for i, (o, r) in enumerate(zip(orig, res)))
@@ -514,24 +588,30 @@ def load_state_dict(path: Any, keys: list[str] | None = None, *,
     array is read concurrently, in pieces (bounded by ``max_inflight_bytes``), so one
     process uses all its cores and the storage's parallelism."""
     ckpt = Checkpoint(path, storage)
-    wanted: list[str] = []
-    ckpt.to_dict(keys, lambda key: wanted.append(key))  # which leaves, without reading
-    arrays = [k for k in wanted if ckpt.is_array(k)]
-    infos = ckpt.array_infos(arrays)
-    out: dict[str, Any] = {}
-    with _Reads(ckpt, 1, max_inflight_bytes) as reads:
-        reads.open({k for k in arrays if not ckpt.is_packed(k)}, infos)
-        for k in arrays:
-            info = infos[k]
-            t = torch.empty(info.shape, dtype=dtypes.torch_dtype(info.dtype))
-            out[k] = t
-            if t.numel():
-                reads.add(k, info, [(tuple((0, n) for n in info.shape),) * 2], t)
-        reads.finish()
-    values = {k: _as_leaf(infos[k], out[k]) for k in arrays}
-    result = ckpt.to_dict(keys, lambda key: values[key] if key in values else ckpt.read(key))
-    check_unchanged(ckpt)
-    return result
+    with ckpt.reading():  # one read: the root is checked after it (spec §7.3)
+        wanted: list[str] = []
+        ckpt.to_dict(keys, lambda key: wanted.append(key))  # which leaves, without reading
+        arrays = [k for k in wanted if ckpt.is_array(k)]
+        infos = ckpt.array_infos(arrays)
+        with _Reads(ckpt, 1, max_inflight_bytes) as reads:
+            reads.open({k for k in arrays if not ckpt.is_packed(k)}, infos)
+            out = _plain_tensors(reads, infos, arrays)
+            reads.finish()
+        values = {k: _as_leaf(infos[k], out[k]) for k in arrays}
+        return ckpt.to_dict(keys, lambda key: values[key] if key in values else ckpt.read(key))
+
+
+def _plain_tensors(reads: _Reads, infos: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    """New CPU tensors of the saved dtypes for the array leaves ``keys``, their whole reads
+    added to ``reads`` (done once ``reads.finish()`` returns)."""
+    out = {}
+    for k in keys:
+        info = infos[k]
+        t = torch.empty(info.shape, dtype=dtypes.torch_dtype(info.dtype))
+        out[k] = t
+        if t.numel():
+            reads.add(k, info, [(tuple((0, n) for n in info.shape),) * 2], t)
+    return out
 
 
 def _as_leaf(info: Any, t: torch.Tensor) -> Any:

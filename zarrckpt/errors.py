@@ -13,13 +13,15 @@ Each class also subclasses the builtin a caller would naturally catch, so
     ├── StorageError                 (OSError)            the store refused or failed an operation
     │                                                     (full disk, read-only, permission,
     │                                                     unreachable endpoint, missing bucket)
-    ├── CheckpointChangedError       (RuntimeError)       replaced while it was being read
+    ├── CheckpointChangedError       (RuntimeError)       replaced while it was being read, or
+    │                                                     since a zarrckpt.open() handle was opened
     ├── StateDictMismatchError       (ValueError)         target and checkpoint disagree
     │   ├── MissingKeysError         (KeyError)
     │   ├── UnexpectedKeysError      (KeyError)
     │   ├── ShapeMismatchError
     │   └── DTypeMismatchError       (TypeError)
-    ├── UnsupportedValueError        (TypeError)          a leaf that can't be stored
+    ├── UnsupportedValueError        (TypeError)          a leaf that can't be stored (or a
+    │                                                     load target that can't be read into)
     ├── UnsupportedPlacementError    (ValueError)         e.g. Partial()
     ├── SaveFailedError              (RuntimeError)       some rank failed during a save
     │   └── ConcurrentSaveError                           another save took the path over
@@ -94,7 +96,10 @@ class StorageError(ZarrckptError, OSError):
 
 
 class CheckpointChangedError(ZarrckptError, RuntimeError):
-    """The checkpoint at the path was replaced (overwritten) while it was being read."""
+    """The checkpoint at the path was replaced (overwritten) while it was being read, or
+    after the ``zarrckpt.open()`` handle used to read it was opened (spec §7.3). Raised
+    instead of the integrity or chunk error such a replacement causes mid-read (chained
+    from it); nothing read may be trusted: load or open it again."""
 
 
 class StateDictMismatchError(ZarrckptError, ValueError):
@@ -118,7 +123,8 @@ class DTypeMismatchError(StateDictMismatchError, TypeError):
 
 
 class UnsupportedValueError(ZarrckptError, TypeError):
-    """A state-dict leaf that zarrckpt cannot store without pickle."""
+    """A state-dict leaf that zarrckpt cannot store without pickle, or a load target it
+    cannot read into in place (sparse, nested, quantized tensors)."""
 
 
 class UnsupportedPlacementError(ZarrckptError, ValueError):

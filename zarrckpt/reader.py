@@ -14,13 +14,29 @@ digest, each array ``zarr.json`` against the digest the root records, and both p
 strictly (:mod:`zarrckpt.format`). On a local file system, files that are not regular
 files (a FIFO, a device) are refused before anything opens them, so a damaged or
 hostile directory cannot hang a reader.
+
+A handle is bound to the save it opened (spec §7.3). Every call that reads data or
+values (``read``, ``ck[key]``, ``to_dict``, ``items``, a :class:`LazyArray`'s indexing,
+``to_numpy`` and dask tasks) checks *after* its reads that the root at the path is
+still that save's, and raises :class:`~zarrckpt.errors.CheckpointChangedError` if it was
+replaced meanwhile (an overwrite), so a read never returns one save's values with
+another's arrays. The check is one conditional read of the root ``zarr.json`` per call
+(no bytes move while it is unchanged: TensorStore compares the storage generation). A
+failing document or chunk check is also re-checked against the root: when the
+checkpoint was replaced, the error is ``CheckpointChangedError`` (chained from the
+original). ``keys()``, shapes, dtypes and ``metadata`` come from the root read at open
+and do no I/O; a TensorStore handle from ``tensorstore(key)`` reads storage directly,
+so call ``check_unchanged()`` after reading through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,8 +45,8 @@ import numpy as np
 from . import format as fmt
 from . import tree as ztree
 from ._io import wait_all
-from ._lazy import LazyArray, describe, format_bytes
-from .errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
+from ._lazy import LazyArray, checked_read, describe, format_bytes
+from .errors import CheckpointChangedError, CheckpointNotFoundError, FormatError, MissingKeysError
 from .storage import Array, Storage, StorageOptions, in_memory_array, storage_error, translate_error
 
 __all__ = ["Checkpoint", "CheckpointView", "LazyArray", "open_checkpoint"]
@@ -52,6 +68,10 @@ class CheckpointView:
     ``key in view``, ``len(view)`` and iteration are over leaf keys, as ``keys()``.
     Methods that take a key (``read``, ``tensorstore``, ``array_info`` ...) take it relative
     to the view too. ``metadata``, ``step`` and ``metrics`` are the checkpoint's.
+
+    Calls that read data or values check afterwards that the checkpoint was not replaced
+    since it was opened (:meth:`check_unchanged`); ``with view.reading(): ...`` makes
+    several calls one read with one check at its end.
     """
 
     def __init__(self, checkpoint: Checkpoint, prefix: str) -> None:
@@ -102,6 +122,7 @@ class CheckpointView:
     def __len__(self) -> int:
         return len(self._full_keys)
 
+    @checked_read
     def __getitem__(self, key: str) -> Any:
         full = self._full(key)
         ck = self._ck
@@ -120,6 +141,7 @@ class CheckpointView:
     def values(self) -> list[Any]:
         return [v for _, v in self.items()]
 
+    @checked_read
     def items(self) -> list[tuple[str, Any]]:
         """(key, leaf) pairs, as ``view[key]`` gives them (array metadata read concurrently)."""
         self._ck._array_infos([k for k in self._full_keys if self._ck._is_array(k)])
@@ -133,7 +155,7 @@ class CheckpointView:
                 out[k.split("/", 1)[0]] = None
         return list(out)
 
-    def _no_key(self, key: str) -> str:
+    def _no_key(self, key: str, what: str = "no key") -> str:
         import difflib
 
         names = self.keys() + [g for g in self._ck._groups if not self.prefix or g.startswith(self.prefix + "/")]
@@ -141,7 +163,58 @@ class CheckpointView:
                                                for n in names], n=3)
         where = f"under {self.prefix!r} of" if self.prefix else "in"
         hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-        return f"no key {key!r} {where} checkpoint {self._ck.url!r}{hint}"
+        return f"{what} {key!r} {where} checkpoint {self._ck.url!r}{hint}"
+
+    # ---- one read across an overwrite (spec §7.3) -------------------------------
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~zarrckpt.errors.CheckpointChangedError` unless the root at the
+        path is still the one this handle opened (the same save, committed). One
+        conditional read of the root ``zarr.json``: no bytes move while it is unchanged."""
+        ck = self._ck
+        local = ck.storage.local_path
+        if local is not None:
+            _require_regular(os.path.join(local, "zarr.json"), f"{ck.url}: the root zarr.json", missing_ok=True)
+        try:
+            r = ck.storage.kv.read("zarr.json", if_not_equal=ck._root_generation).result()
+        except ValueError as e:
+            raise storage_error(f"reading {ck.url}/zarr.json", e) from e
+        if r.state == "unspecified":  # the same generation: unchanged
+            return
+        data = bytes(r.value) if r.state == "value" else None
+        if data == ck._root_bytes:  # the same bytes, rewritten (copied, touched)
+            ck._root_generation = bytes(r.stamp.generation)
+            return
+        raise CheckpointChangedError(_changed_message(ck, data))
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Make the reads inside one read: the root is checked once, after them (by the
+        outermost ``reading`` of the thread). A document or chunk check that fails inside
+        is re-checked against the root: if the checkpoint was replaced, the error is
+        ``CheckpointChangedError`` (chained from the original), else the original."""
+        local = self._ck._read_depth
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        try:
+            yield
+        except (FormatError, OSError) as e:  # IntegrityError, CorruptChunkError, StorageError ...
+            if depth == 0:
+                self._explain(e)
+            raise
+        finally:
+            local.depth = depth
+        if depth == 0:
+            self.check_unchanged()
+
+    def _explain(self, error: BaseException) -> None:
+        """A replaced checkpoint explains a failed read best: raise that instead."""
+        try:
+            self.check_unchanged()
+        except CheckpointChangedError as changed:
+            raise changed from error
+        except Exception:  # noqa: BLE001 - the root is unreadable too: the original error says more
+            return
 
     # ---- leaves -----------------------------------------------------------------
 
@@ -161,10 +234,12 @@ class CheckpointView:
     def is_packed(self, key: str) -> bool:
         return "packed" in self._ck._node(self._full(key))
 
+    @checked_read
     def array_info(self, key: str) -> fmt.ArrayInfo:
         full = self._full(key)
         return self._ck._array_infos([full])[full]
 
+    @checked_read
     def array_infos(self, keys: Iterable[str]) -> dict[str, fmt.ArrayInfo]:
         """Parsed and verified ``zarr.json`` of many arrays, read concurrently and cached.
         A packed leaf's info comes from its tree node (its pack is checked when read)."""
@@ -172,21 +247,27 @@ class CheckpointView:
         infos = self._ck._array_infos([self._full(k) for k in keys])
         return {k: infos[self._full(k)] for k in keys}
 
+    @checked_read
     def open_array(self, key: str) -> Array:
         return self._ck._open_array(self._full(key))
 
+    @checked_read
     def tensorstore(self, key: str) -> Any:
         """A TensorStore handle of an array leaf, for lazy slicing.
 
         An array of its own is opened from storage (nothing is read until sliced). A packed
         leaf is small (``pack_bytes`` at most): its bytes are read from its pack and returned
-        as an in-memory, read-only TensorStore array of its data type and shape."""
+        as an in-memory, read-only TensorStore array of its data type and shape. Reads
+        through the handle go straight to storage: call :meth:`check_unchanged` after them
+        to be sure the checkpoint was not replaced meanwhile."""
         return self._ck._tensorstore(self._full(key))
 
+    @checked_read
     def read(self, key: str) -> Any:
         """One leaf: an ndarray (ml_dtypes for bf16/fp8), ``bytes``, or the stored value."""
         return self._ck._read(self._full(key))
 
+    @checked_read
     def to_dict(self, keys: Iterable[str] | None = None,
                 load_array: Callable[[str], Any] | None = None, *, lazy: bool = False) -> dict:
         """The nested state dict under this view (or the part under ``keys``: exact keys or
@@ -255,10 +336,13 @@ class Checkpoint(CheckpointView):
         self.storage = Storage(path, storage_options)
         self.url = self.storage.url
         _refuse_plain_file(self.storage)
-        data = self._read_document("zarr.json", "the root")
+        data, generation = self._read_document("zarr.json", "the root")
         if data is None:
             raise CheckpointNotFoundError(_not_found_message(self.storage))
         self.info = fmt.parse_root_bytes(data, self.url)
+        self._root_bytes = data  # what check_unchanged compares with (spec §7.3)
+        self._root_generation = generation
+        self._read_depth = threading.local()  # per thread: how deep in reading() it is
         self._leaves: dict[str, tuple[ztree.KeyPath, dict]] = {
             key: (kp, node) for kp, key, node in self.info.leaves}
         self._arrays: dict[str, fmt.ArrayInfo] = {}
@@ -344,12 +428,12 @@ class Checkpoint(CheckpointView):
             doc = fmt.decode_document(data, f"array {key!r}: {path}/zarr.json")
         return fmt.parse_array(doc, key, self.info.save_id, path=path, pack=pack)
 
-    def _read_document(self, key: str, what: str) -> bytes | None:
+    def _read_document(self, key: str, what: str) -> tuple[bytes | None, bytes]:
+        """(the document's bytes or None, their storage generation)."""
         local = self.storage.local_path
         if local is not None:
             _require_regular(os.path.join(local, key), f"{self.url}: {what} {key}", missing_ok=True)
-        data, _ = self.storage.read_bytes(key)
-        return data
+        return self.storage.read_bytes(key)
 
     def _check_files(self, path: str, key: str) -> None:
         """Local file systems: ``<path>/zarr.json`` and every chunk file of the array must be
@@ -429,7 +513,7 @@ class Checkpoint(CheckpointView):
         pack = self._packs.get(path)
         if pack is None:
             self._check_files(path, key)
-            pinfo = self._parse_array(key, path, self._read_document(f"{path}/zarr.json", f"pack of {key!r}"),
+            pinfo = self._parse_array(key, path, self._read_document(f"{path}/zarr.json", f"pack of {key!r}")[0],
                                       pack=True)
             pack = np.empty(pinfo.shape, dtype=np.uint8)
             if pack.size:
@@ -459,9 +543,15 @@ class Checkpoint(CheckpointView):
         return ztree.decode_tree(tree, leaf)
 
     def _prune(self, wanted: list[str]) -> dict:
+        """The tree cut to ``wanted``: exact keys, or prefixes (with or without a trailing
+        ``/``). A key that is neither is a MissingKeysError with the nearest keys."""
+        wanted = [w.rstrip("/") if isinstance(w, str) and len(w) > 1 else w for w in wanted]
         for w in wanted:
-            if not any(k == w or k.startswith(w + "/") for k in self._leaves):
-                raise KeyError(f"no key {w!r} (nor keys under it) in checkpoint {self.url!r}")
+            if not isinstance(w, str):
+                raise TypeError(f"checkpoint keys are '/'-joined strings such as 'model/w', not "
+                                f"{type(w).__name__} {w!r:.60}")
+            if w not in self._leaves and w not in self._groups:
+                raise MissingKeysError(self._no_key(w, "no key (nor keys under)"))
 
         def keep(path: ztree.KeyPath) -> bool:
             k = ztree.key_of(path)
@@ -483,6 +573,21 @@ class Checkpoint(CheckpointView):
                              + (f" step {step}" if step is not None else "")
                              + f": {_count(self)}, saved {self.info.created} by {self.info.world_size} "
                              + ("process>" if self.info.world_size == 1 else "processes>"))
+
+
+def _changed_message(ck: Checkpoint, data: bytes | None) -> str:
+    """Which save the handle read from, and what the path holds now."""
+    if data is None:
+        now = "no root zarr.json"
+    else:
+        try:
+            attrs = json.loads(data)["attributes"]["zarrckpt"]
+            now = f"save {attrs['save_id']}, {attrs['state']}"
+        except Exception:  # noqa: BLE001 - only for the message
+            now = "a root zarr.json that is not a zarrckpt root"
+    return (f"checkpoint {ck.url!r} was replaced while it was being read (opened save "
+            f"{ck.info.save_id}; the path now holds {now}): what was read may mix both saves; "
+            "open or load it again")
 
 
 def _reopen(where: str, options: StorageOptions, save_id: str) -> Checkpoint:
