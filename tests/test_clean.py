@@ -15,8 +15,10 @@ import torch
 
 import zarrckpt
 from zarrckpt import cli
-from zarrckpt._commit import SaveLock, clean_leftovers, lock_name
+from zarrckpt._commit import SaveLock, lock_name
 from zarrckpt.storage import Storage
+
+clean_leftovers = zarrckpt.clean_leftovers  # the public name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -45,6 +45,7 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
+from ._commit import clean_leftovers
 from ._optional import MissingDependencyError
 from .manager import CheckpointManager
 from .reader import Checkpoint, CheckpointView, LazyArray
@@ -82,6 +83,7 @@ __all__ = [
     "ZarrckptError",
     "__version__",
     "async_save",
+    "clean_leftovers",
     "load",
     "load_state_dict",
     "open",

@@ -307,21 +307,22 @@ def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
     infos = ck.array_infos([k for k in selected if ck.is_array(k)])
     leaves = []
     meshes: list[MeshInfo] = []
-    for k in selected:
-        a = infos.get(k)
-        if a is None:
-            leaves.append(LeafInfo(k, "value", value=ck.read(k)))
-            continue
-        mesh = None
-        if a.mesh_shape is not None:
-            mesh = MeshInfo(tuple(a.mesh_shape), tuple(a.mesh_dim_names) if a.mesh_dim_names else None)
-            if mesh not in meshes:
-                meshes.append(mesh)
-        packed = ck.is_packed(k)
-        leaves.append(LeafInfo(
-            k, a.kind, a.dtype.zarr, a.shape, math.prod(a.shape) * a.dtype.numpy.itemsize,
-            None if packed else a.chunk_shape, a.inner_chunk_shape, packed, mesh,
-            [placement_str(p) for p in a.placements] if a.placements is not None else None))
+    with ck.reading():  # one root check after the values, not one per value
+        for k in selected:
+            a = infos.get(k)
+            if a is None:
+                leaves.append(LeafInfo(k, "value", value=ck.read(k)))
+                continue
+            mesh = None
+            if a.mesh_shape is not None:
+                mesh = MeshInfo(tuple(a.mesh_shape), tuple(a.mesh_dim_names) if a.mesh_dim_names else None)
+                if mesh not in meshes:
+                    meshes.append(mesh)
+            packed = ck.is_packed(k)
+            leaves.append(LeafInfo(
+                k, a.kind, a.dtype.zarr, a.shape, math.prod(a.shape) * a.dtype.numpy.itemsize,
+                None if packed else a.chunk_shape, a.inner_chunk_shape, packed, mesh,
+                [placement_str(p) for p in a.placements] if a.placements is not None else None))
     return CheckpointInfo(ck.url, "committed", ck.info.version, ck.save_id, ck.created, _committed_time(ck),
                           ck.world_size, dict(ck.info.writer), ck.metadata, ck.step, meshes, leaves)
 

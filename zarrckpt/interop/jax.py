@@ -138,26 +138,27 @@ def load(path: Any, target: Any, *, keys: Iterable[str] | None = None,
     """
     t0 = time.perf_counter()
     ck = path if isinstance(path, CheckpointView) else Checkpoint(path, storage)
-    wanted = None if keys is None else [k.rstrip("/") for k in ([keys] if isinstance(keys, str) else keys)]
-    reads: list[_Read] = []
-    if isinstance(target, jax.sharding.Sharding):
-        if key_map is not None:
-            raise TypeError("key_map maps target keys to checkpoint keys: it needs a pytree target")
+    with ck.reading():  # one root check after every read, not one per value
+        wanted = None if keys is None else [k.rstrip("/") for k in ([keys] if isinstance(keys, str) else keys)]
+        reads: list[_Read] = []
+        if isinstance(target, jax.sharding.Sharding):
+            if key_map is not None:
+                raise TypeError("key_map maps target keys to checkpoint keys: it needs a pytree target")
 
-        root = ck.checkpoint
+            root = ck.checkpoint
 
-        def leaf(key: str) -> Any:  # a full key (of the whole checkpoint)
-            if root.array_info(key).kind in fmt.BYTE_KINDS:
-                return root.read(key)
-            r = _Read(key, key, None, None, target)
-            reads.append(r)
-            return _Pending(r)
+            def leaf(key: str) -> Any:  # a full key (of the whole checkpoint)
+                if root.array_info(key).kind in fmt.BYTE_KINDS:
+                    return root.read(key)
+                r = _Read(key, key, None, None, target)
+                reads.append(r)
+                return _Pending(r)
 
-        result = ck.to_dict(wanted, load_array=leaf)
-    else:
-        result = _plan_pytree(ck, target, wanted, key_map, reads)
-    _check(ck, reads, cast)
-    fetched = _read_boxes(ck, reads, max_inflight_bytes)
+            result = ck.to_dict(wanted, load_array=leaf)
+        else:
+            result = _plan_pytree(ck, target, wanted, key_map, reads)
+        _check(ck, reads, cast)
+        fetched = _read_boxes(ck, reads, max_inflight_bytes)
     out = _replace(result, lambda p: _make_array(p.read))
     if report is not None:
         report.update(arrays=len(reads), bytes_needed=sum(b.nbytes for r in reads for b in r.buffers.values()),
