@@ -235,12 +235,24 @@ def test_dcp_round_trip(tmp_path):
     dcp_to_torch_save(tmp_path / "dcp2", tmp_path / "back.pt")
     back = torch.load(tmp_path / "back.pt", weights_only=False)
     assert back.pop("rng").getvalue() == b"raw bytes io"
-    want["list"][1] = list(want["list"][1])  # to_dcp writes tuple items as leaves: DCP rebuilds lists
-    assert_nested_same(back, want)
-    # and DCP's own in-place load into a target state dict
-    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    assert_nested_same(back, want)  # the tuple (of a tensor and a str) is one DCP item, as dcp.save makes it
+    # and DCP's own in-place load of the whole state into a state dict of its shape
+    target = zeroed(want)
+    target["rng"] = io.BytesIO()
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp2"), no_dist=True)
-    assert_nested_same(target["model"], want["model"])
+    assert target.pop("rng").getvalue() == b"raw bytes io"
+    assert_nested_same(target, want)
+
+
+def zeroed(obj):
+    """``obj`` with every tensor zeroed: a target of its shape for DCP's in-place load."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: zeroed(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(zeroed(v) for v in obj)
+    return obj
 
 
 def _dcp_rank(rank: int, world: int, port: int, path: str) -> None:
@@ -502,3 +514,95 @@ def test_exists_error_names_the_option(tmp_path, capsys):
     assert "--overwrite" in err and "overwrite=True" not in err
     assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ck"), "--overwrite"]) == 0
     assert zarrckpt.load_state_dict(tmp_path / "ck")["x"] is None
+
+
+# ------------------------------------------------------------------ keys= that select nothing
+
+
+def _sources(tmp_path) -> dict:
+    """One small state in every source format: {format: (path, converter from it, destination)}."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)}, "optim": {"m": torch.ones(3)}, "step": 3}
+    zarrckpt.save(state, tmp_path / "ck")
+    torch.save(state, tmp_path / "in.pt")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    st.save_file({"model.w": state["model"]["w"], "model.b": state["model"]["b"]}, tmp_path / "in.safetensors")
+    return {"zarrckpt": (tmp_path / "ck", convert.to_safetensors, tmp_path / "out.safetensors"),
+            "safetensors": (tmp_path / "in.safetensors", convert.from_safetensors, tmp_path / "out"),
+            "torch_save": (tmp_path / "in.pt", convert.from_torch_save, tmp_path / "out"),
+            "dcp": (tmp_path / "dcp", convert.from_dcp, tmp_path / "out")}
+
+
+@pytest.mark.parametrize("source", ["zarrckpt", "safetensors", "torch_save", "dcp"])
+@pytest.mark.parametrize("form", ["prefix", "list", "mapping"])
+def test_keys_selecting_nothing_write_nothing(tmp_path, source, form):
+    """A keys= prefix (or the old prefix of a mapping) that selects no key of the source is a
+    MissingKeysError naming it with the closest keys, raised before anything is written:
+    never an empty checkpoint or file."""
+    from zarrckpt.errors import MissingKeysError
+
+    src, fn, dst = _sources(tmp_path)[source]
+    good = "model." if source == "safetensors" else "model/"  # safetensors names are flat
+    bad = "modle." if source == "safetensors" else "modle/"
+    keys = {"prefix": bad, "list": [good, bad], "mapping": {good: "m/", bad: "x/"}}[form]
+    with pytest.raises(MissingKeysError) as e:
+        fn(src, dst, keys=keys)
+    assert str(e.value).startswith(f"key pattern {bad!r} selects no key of {src} (did you mean 'model"), e.value
+    assert not os.path.exists(dst)
+    r = fn(src, dst, keys={"prefix": good, "list": [good], "mapping": {good: "m/"}}[form])  # the good one alone
+    assert r.leaves == 2
+
+
+def test_keys_selecting_nothing_other_targets(tmp_path):
+    """The same for every destination format, a callable selecting nothing, and a pattern
+    that selects only inside a plain-JSON subtree (which is selected)."""
+    from zarrckpt.errors import MissingKeysError
+
+    zarrckpt.save({"model": {"w": torch.ones(2)}, "optim": {"param_groups": [{"lr": 0.1}]}}, tmp_path / "ck")
+    for to, dst in ((convert.to_torch_save, tmp_path / "o.pt"), (convert.to_dcp, tmp_path / "dcp"),
+                    (convert.to_safetensors, tmp_path / "st")):
+        with pytest.raises(MissingKeysError, match=r"'optm/' selects no key of .*did you mean 'optim'\?"):
+            to(tmp_path / "ck", dst, keys=["model/", "optm/"])
+        assert not os.path.exists(dst)
+        with pytest.raises(MissingKeysError, match=r"keys=<lambda> selects no key of .*top-level keys: model, optim"):
+            to(tmp_path / "ck", dst, keys=lambda k: None)
+        assert not os.path.exists(dst)
+    convert.to_torch_save(tmp_path / "ck", tmp_path / "o.pt", keys="optim/param_groups/0/lr")
+    assert torch.load(tmp_path / "o.pt", weights_only=True) == {"optim": {"param_groups": [{"lr": 0.1}]}}
+
+
+def test_to_dcp_items_as_dcp_save_makes_them(tmp_path):
+    """to_dcp stores what dcp.save stores, item for item (DCP's flattening rule): a tuple,
+    and a list of neither tensors nor dicts, is one item (AdamW's betas, a group's params);
+    a list holding a tensor or a dict is traversed; an empty dict leaves no item and is
+    listed in the report. dcp.load into the state dict and dcp_to_torch_save read it all."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from zarrckpt.interop._dcp import read_metadata
+
+    state = {"optim": {"state": {}, "param_groups": [{"betas": (0.9, 0.999), "params": [0, 1], "fused": None,
+                                                      "eps": float("inf")}]},
+             "pair": (torch.ones(2), {3: "three"}),  # a tuple of a tensor and an int-keyed dict: one value
+             "mixed": [torch.zeros(3), [1, b"\x07"], [torch.ones(1)], {"k": ()}],
+             "blobs": [b"\x01", float("nan")],
+             "nested": [[1, 2], [3, (4,)]]}
+    zarrckpt.save(state, tmp_path / "ck", pack_bytes=0)  # arrays of their own, read in pieces
+    r = convert.to_dcp(tmp_path / "ck", tmp_path / "dcp", memory_limit=64 << 10)
+    assert r.skipped == [("optim/state", "an empty dict, for which DCP stores nothing (dcp.save drops it too)")]
+    dcp.save(state, checkpoint_id=str(tmp_path / "ref"), no_dist=True)
+    names = {k: type(v).__name__ for k, v in read_metadata(str(tmp_path / "dcp")).state_dict_metadata.items()}
+    assert names == {k: type(v).__name__ for k, v in read_metadata(str(tmp_path / "ref")).state_dict_metadata.items()}
+    assert names["optim.param_groups.0.betas"] == names["pair"] == names["nested"] == "BytesStorageMetadata"
+    assert "mixed.1" in names and "mixed.3.k" in names
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
+    want = dict(state, optim={"param_groups": state["optim"]["param_groups"]})  # DCP drops the empty dict
+    back = torch.load(tmp_path / "back.pt", weights_only=False)
+    assert back["pair"][1] == {3: "three"}  # inside a value: keys kept as they are
+    assert_nested_same({k: back[k] for k in want}, want)
+    target = zeroed(state)
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert_nested_same(target, state)
+    convert.from_dcp(tmp_path / "dcp", tmp_path / "ck2")  # and zarrckpt reads it back the same
+    assert_nested_same(zarrckpt.load_state_dict(tmp_path / "ck2"), {k: back[k] for k in back})

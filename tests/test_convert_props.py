@@ -4,8 +4,10 @@ keys, nested and empty containers, 0-d and empty tensors of every dtype zarrckpt
 come back equal from every converter direction; tensors bit for bit. Where the target
 cannot hold a value (safetensors: tensors only), the documented behaviour is checked: the
 leaf is skipped and listed in the report, or the conversion is refused with a clear error.
-Then the real optimizer states of AdamW, SGD with momentum and Adafactor, with their None
-hyperparameters, through torch.save and DCP, both ways."""
+zarrckpt -> DCP writes the items dcp.save writes, so DCP's own loaders (dcp_to_torch_save,
+dcp.load into the state dict) read every generated state. Then the real optimizer states
+of AdamW, SGD with momentum and Adafactor, with their None hyperparameters, through
+torch.save and DCP, both ways."""
 
 from __future__ import annotations
 
@@ -116,22 +118,54 @@ def assert_equal(got, want, where="<root>", ordered=True) -> None:
         assert got == want, (where, got, want)
 
 
-def dcp_form(obj):
-    """What a state dict looks like once DCP has flattened it, as zarrckpt writes DCP: dict
-    keys are strings; a non-empty tuple that zarrckpt stores node by node comes back a list
-    (DCP rebuilds sequences of its object paths as lists)."""
+def dcp_form(state: dict):
+    """What DCP's own loader gives back for ``state``: DCP's own flattening
+    (``flatten_state_dict``: dict keys become strings; a tuple, and a list holding neither
+    a tensor nor a dict nor such a list, is one value; an empty dict outside such a value
+    leaves nothing) undone by its own ``unflatten_state_dict``. None when DCP refuses the
+    state (two leaves flatten to one name, ``"a.b"``)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+    try:
+        flat, mapping = flatten_state_dict(state)
+    except ValueError as e:
+        if "duplicated flatten key" in str(e):
+            return None
+        raise
+    return unflatten_state_dict(flat, mapping)
+
+
+def _dcp_items(path: str) -> dict[str, str]:
+    """The items of a DCP checkpoint: {name: kind of storage metadata}."""
+    from zarrckpt.interop._dcp import read_metadata
+
+    return {k: type(v).__name__ for k, v in read_metadata(path).state_dict_metadata.items()}
+
+
+def _blank(obj):
+    """A state dict of ``obj``'s structure for DCP's in-place load: tensors zeroed, other
+    leaves a marker (so that a value DCP does not load shows)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
     if isinstance(obj, dict):
-        return {str(k): dcp_form(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and obj:
-        return [dcp_form(v) for v in obj]
-    return obj
+        return {k: _blank(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_blank(v) for v in obj)
+    return "<not loaded>"
 
 
-def _dotted_clash(state: dict) -> bool:
-    """Do two leaves have one dotted name, or one leaf's name start another's (DCP's
-    names: a plain-JSON subtree is one leaf)?"""
-    names = sorted(".".join(map(str, p)) for p, _ in flatten(state, lambda x: isinstance(x, torch.Tensor)))
-    return len(set(names)) < len(names) or any(b.startswith(a + ".") for a, b in zip(names, names[1:]))
+def _dcp_load_into(state: dict, path: str) -> dict | type:
+    """DCP's own in-place ``dcp.load`` into a state dict shaped like ``state``, or the class
+    of the error DCP raises (it sorts the top-level keys, so int and str keys together are
+    a TypeError; some key paths fail its planner)."""
+    import torch.distributed.checkpoint as dcp
+
+    target = _blank(state)
+    try:
+        dcp.load(target, checkpoint_id=path, no_dist=True)
+    except (TypeError, CheckpointException) as e:
+        return type(e)
+    return target
 
 
 def _fresh(tmp_path, name: str) -> str:
@@ -276,37 +310,32 @@ def test_from_dcp_matches_dcp_itself(tmp_path, state):
 @SETTINGS
 @given(state=STATES)
 def test_to_dcp_and_back(tmp_path, state):
-    ck, out, back = _fresh(tmp_path, "ck"), _fresh(tmp_path, "dcp"), _fresh(tmp_path, "back")
+    """zarrckpt -> DCP writes what ``dcp.save`` writes: DCP's own loaders
+    (``dcp_to_torch_save``, and ``dcp.load`` into a state dict of the same shape) read
+    every converted checkpoint as they read dcp.save's own checkpoint of the state, and
+    give back what DCP's flattening keeps; ``from_dcp`` reads it back the same."""
+    ck, out, back, ref = (_fresh(tmp_path, n) for n in ("ck", "dcp", "back", "ref"))
     zarrckpt.save(state, ck)
-    try:
-        convert.to_dcp(ck, out)
-    except UnsupportedValueError as e:  # documented refusal: two leaves with one DCP name
-        if "have the DCP name" in str(e) and _dotted_clash(state):
-            reject()
-        raise
     want = dcp_form(state)
+    if want is None:  # DCP itself refuses it: two leaves with one DCP name
+        with pytest.raises(UnsupportedValueError, match="have the DCP name"):
+            convert.to_dcp(ck, out)
+        assert not os.path.exists(out)
+        return
+    convert.to_dcp(ck, out)
+    _dcp_save(state, ref)
+    assert _dcp_items(out) == _dcp_items(ref)  # the items dcp.save makes, tensor or bytes alike
+    try:
+        theirs = _dcp_load(ref)
+    except CheckpointException:  # DCP's own loader fails on its own checkpoint of some key
+        with pytest.raises(CheckpointException):  # paths ('..', '' and '.' keys together):
+            _dcp_load(out)                        # on ours alike
+        return
+    assert_equal(theirs, want, ordered=False)
+    assert_equal(_dcp_load(out), want, ordered=False)
+    assert_equal(_dcp_load_into(state, out), _dcp_load_into(state, ref), ordered=False)
     convert.from_dcp(out, back)
     assert_equal(zarrckpt.load_state_dict(back), want, ordered=False)
-    if not _split_sequence(state):  # see _split_sequence: DCP's own loader fails on those
-        assert_equal(_dcp_load(out), want, ordered=False)
-
-
-def _split_sequence(obj) -> bool:
-    """Does ``obj`` hold a tuple, or a list without a tensor or dict in it that zarrckpt
-    stores entry by entry (not plain JSON: bytes, nan/inf, tuples)? to_dcp writes its
-    entries as items of their own; DCP's own loader rebuilds the sequence, takes it for one
-    value (DCP stores tuples, and lists of neither tensors nor dicts, whole) and then misses
-    the key (known gap of to_dcp, reported; zarrckpt's from_dcp reads it back)."""
-    if isinstance(obj, dict):
-        return any(_split_sequence(v) for v in obj.values())
-    if isinstance(obj, tuple) and obj:
-        return True
-    if isinstance(obj, list) and obj:
-        has_dcp_node = any(isinstance(v, (torch.Tensor, dict)) for v in obj)
-        plain = all(v is None or isinstance(v, (bool, int, str)) or isinstance(v, float) and math.isfinite(v)
-                    for v in obj)
-        return (not has_dcp_node and not plain) or any(_split_sequence(v) for v in obj)
-    return False
 
 
 # ------------------------------------------------------------------ safetensors
@@ -407,11 +436,15 @@ def test_optimizer_state_through_dcp(tmp_path, trained):
     assert [v for g in want["optim"]["param_groups"] for v in g.values() if v is None]
     zarrckpt.save(trained, tmp_path / "saved")
     convert.to_dcp(tmp_path / "saved", tmp_path / "dcp2")
+    assert _dcp_items(str(tmp_path / "dcp2")) == _dcp_items(str(tmp_path / "dcp"))  # as dcp.save's
+    want = dcp_form(trained)  # the whole state: param_groups with betas tuples, None values
+    if "betas" in trained["optim"]["param_groups"][0]:
+        assert type(want["optim"]["param_groups"][0]["betas"]) is tuple
+    assert [v for g in want["optim"]["param_groups"] for v in g.values() if v is None]
+    assert_equal(_dcp_load(str(tmp_path / "dcp2")), want, ordered=False)  # dcp_to_torch_save
+    got = _dcp_load_into(trained, str(tmp_path / "dcp2"))  # DCP's in-place dcp.load
+    assert_equal(got, _dcp_load_into(trained, str(tmp_path / "dcp")), ordered=False)  # as from dcp.save's
+    assert_equal(got["model"], trained["model"])
+    assert_equal(got["optim"]["param_groups"], trained["optim"]["param_groups"])
     convert.from_dcp(tmp_path / "dcp2", tmp_path / "back")
-    assert_equal(zarrckpt.load_state_dict(tmp_path / "back"), dcp_form(trained), ordered=False)
-    # (DCP's own loader of the whole state misses "optim.param_groups.0.betas", a tuple that
-    # to_dcp writes entry by entry: see _split_sequence)
-    # DCP's own in-place load into a target state dict
-    target = {"model": {k: torch.zeros_like(v) for k, v in trained["model"].items()}}
-    dcp.load(target, checkpoint_id=str(tmp_path / "dcp2"), no_dist=True)
-    assert_equal(target["model"], trained["model"])
+    assert_equal(zarrckpt.load_state_dict(tmp_path / "back"), want, ordered=False)

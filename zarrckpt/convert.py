@@ -10,7 +10,9 @@ Every function streams: a source is read tensor by tensor, and each tensor in pi
 most ``memory_limit / 8`` bytes (a piece is contiguous in C order, so file formats write it
 sequentially and zarrckpt stores it as exactly one chunk); writes in flight are bounded
 too, so the converting process holds about ``memory_limit`` bytes of tensor data at most,
-whatever the checkpoint's size (``tests/test_convert_memory.py`` measures it).
+whatever the checkpoint's size (``tests/test_convert_memory.py`` measures it). One
+exception: :func:`to_dcp` writes a tuple holding tensors as one DCP item, as ``dcp.save``
+does, so it holds that tuple's tensors at once.
 
 Common options:
 
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +64,7 @@ import numpy as np
 from . import dtypes as zdt
 from . import format as fmt
 from ._writer import Writer
-from .errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, MissingKeysError, UnsupportedValueError
 from .interop import _common as cm
 from .storage import StorageOptions
 
@@ -121,6 +123,19 @@ class _Item:
     containers: tuple | None
     dtype: zdt.DType | None = None  # arrays: the dtype written
     chunk: tuple[int, ...] = ()
+    members: list[_Item] = field(default_factory=list)  # a sink's item made of several leaves
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kind of each container on the way to the leaf (dicts where none is said)."""
+        given = tuple(self.containers or ())[:len(self.path) - 1]
+        return given + ("dict",) * (len(self.path) - 1 - len(given))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data to read for it."""
+        own = self.leaf.nbytes if isinstance(self.leaf, cm.ArrayLeaf) else 0
+        return own + sum(m.nbytes for m in self.members)
 
 
 # ------------------------------------------------------------------ formats
@@ -396,6 +411,11 @@ class _TorchSaveSink:
 
 
 class _DCPSink:
+    """DCP items as ``dcp.save`` makes them (:func:`zarrckpt.interop._dcp.dcp_items`): a
+    tuple, or a list holding neither tensors nor dicts, is one item ``torch.save``-d whole
+    (its leaves read and assembled), a plain-JSON dict is traversed, and an empty dict,
+    for which DCP stores nothing, is skipped and listed in the report."""
+
     name = "dcp"
 
     def __init__(self, dst: Any, overwrite: bool) -> None:
@@ -403,21 +423,37 @@ class _DCPSink:
 
         self.s = Sink(dst, overwrite)
         self.dst = self.s.dir
+        self.dropped: list[tuple[str, str]] = []
 
     accept = _TorchSaveSink.accept
 
     def plan(self, items: list[_Item]) -> list[_Item]:
-        return items
+        from .interop._dcp import dcp_items
+
+        atoms = [a for it in items for a in _atoms(it)]
+        groups = dcp_items([(a.path, a.kinds, _dcp_what(a)) for a in atoms])
+        planned = []
+        for n, members in groups:
+            first = atoms[members[0]]
+            if n == len(first.path):
+                planned.append(first)
+            else:
+                path = first.path[:n]
+                planned.append(_Item(cm.ValueLeaf(path, None, first.kinds[:n - 1]), path, cm.key_of(path),
+                                     first.kinds[:n - 1], members=[atoms[i] for i in members]))
+        kept = {i for _, members in groups for i in members}
+        self.dropped = [(a.key, "an empty dict, for which DCP stores nothing (dcp.save drops it too)")
+                        for i, a in enumerate(atoms) if i not in kept]
+        return planned
 
     def write(self, item: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> None:
         leaf = item.leaf
-        if isinstance(leaf, cm.ValueLeaf):
+        if item.members:
+            self.s.write_bytes(item.path, item.containers, None, _assemble(item, pieces))
+        elif isinstance(leaf, cm.ValueLeaf):
             self.s.write_bytes(item.path, item.containers, None, leaf.value)
         elif leaf.kind in ("bytes", "bytesio"):  # torch.saved as DCP does: bytes, or an io.BytesIO
-            import io
-
-            data = b"".join(d.tobytes() for _, d in pieces)
-            self.s.write_bytes(item.path, item.containers, None, io.BytesIO(data) if leaf.kind == "bytesio" else data)
+            self.s.write_bytes(item.path, item.containers, None, _torch_value(item, pieces))
         else:
             self.s.write_array(item.path, item.containers, leaf.shape, item.dtype, pieces)
 
@@ -429,6 +465,56 @@ class _DCPSink:
 
     def abandon(self) -> None:
         self.s.abandon()
+
+
+def _atoms(it: _Item) -> Iterator[_Item]:
+    """``it``, or the leaves of a value holding a container (a plain-JSON subtree of a
+    zarrckpt source is one leaf), each an item of its own."""
+    value = it.leaf.value if isinstance(it.leaf, cm.ValueLeaf) else None
+    if not isinstance(value, (dict, list, tuple)) or not value:
+        yield it
+        return
+    kind = "dict" if isinstance(value, dict) else "tuple" if isinstance(value, tuple) else "list"
+    kinds = it.kinds + (kind,)
+    for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+        path = it.path + (k,)
+        yield from _atoms(_Item(cm.ValueLeaf(path, v, kinds), path, cm.key_of(path), kinds))
+
+
+def _dcp_what(it: _Item) -> str:
+    """What DCP's flattening sees in a leaf: a tensor, an empty dict, or another value."""
+    if isinstance(it.leaf, cm.ArrayLeaf) and it.leaf.kind in ("tensor", "ndarray"):
+        return "tensor"
+    empty_dict = isinstance(it.leaf, cm.ValueLeaf) and isinstance(it.leaf.value, dict) and not it.leaf.value
+    return "dict" if empty_dict else "value"
+
+
+def _assemble(group: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> Any:
+    """The value of a group of leaves, nested as they are; ``pieces``: the pieces of its
+    arrays, one array after another (:func:`_pieces`)."""
+    n = len(group.path)
+    entries = []
+    for m in group.members:
+        value = m.leaf.value if isinstance(m.leaf, cm.ValueLeaf) else _torch_value(m, pieces)
+        entries.append((("v",) + m.path[n:], m.kinds[n - 1:], value))
+    return cm.nest(entries)["v"]
+
+
+def _torch_value(it: _Item, pieces: Iterator[tuple[tuple, np.ndarray]]) -> Any:
+    """An array leaf read whole from its next pieces, as torch holds it: a tensor,
+    ``bytes`` or an ``io.BytesIO``."""
+    leaf = it.leaf
+    out = np.empty(leaf.shape, it.dtype.numpy)
+    for _, box in cm.piece_boxes(leaf.shape, it.chunk):
+        _, data = next(pieces)
+        out[tuple(slice(a, b) for a, b in box)] = data
+    if leaf.kind == "bytes":
+        return out.tobytes()
+    if leaf.kind == "bytesio":
+        import io
+
+        return io.BytesIO(out.tobytes())
+    return zdt.from_numpy(out, it.dtype)
 
 
 # ------------------------------------------------------------------ the conversion
@@ -446,7 +532,10 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
     try:
         report = ConversionReport(str(src), str(dst), src_format, "")
         items: list[_Item] = []
-        for key, new, leaf in _selected(source.leaves(), select):
+        seen: list[str] = []  # every key of the source looked at, for the hints of an error
+        picked: list[str] = []  # the keys selected
+        for key, new, leaf in _selected(source.leaves(), select, seen):
+            picked.append(key)
             if isinstance(leaf, cm.Skipped):
                 _skip(report, key, leaf.reason, strict)
                 continue
@@ -457,6 +546,7 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
                 itemsize = max(leaf.dtype.numpy.itemsize, it.dtype.numpy.itemsize)
                 it.chunk = cm.piece_shape(leaf.shape, itemsize, piece)
             items.append(it)
+        _check_keys_select(keys, picked, seen, src)
         sink = _open_sink(make_sink, source)
         report.destination = str(sink.dst)
         report.destination_format = sink.name
@@ -469,7 +559,8 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
                 expected = getattr(sink, "is_expected_skip", lambda _: False)(it)
                 _skip(report, it.key, why, strict and not expected)
         ordered = sink.plan(kept)
-        total = sum(it.leaf.nbytes for it in ordered if isinstance(it.leaf, cm.ArrayLeaf))
+        report.skipped.extend(getattr(sink, "dropped", ()))
+        total = sum(it.nbytes for it in ordered)
         done = [0, 0]
 
         def tick(key: str) -> None:
@@ -494,23 +585,48 @@ def _run(src: Any, dst: Any, src_format: str, make_sink: Callable[[Any], Any], *
     return report
 
 
-def _selected(leaves: Iterator[cm.Leaf], select: Callable[[str], str | None]
+def _selected(leaves: Iterator[cm.Leaf], select: Callable[[str], str | None], seen: list[str]
               ) -> Iterator[tuple[str, str, cm.Leaf]]:
-    """``(key, new key, leaf)`` of the leaves ``select`` keeps. A value holding a container
-    (a zarrckpt source gives a plain-JSON subtree as one leaf) that is not kept whole is
-    split into its entries, so that ``keys="optim/param_groups/0/"`` selects inside it as
-    it does inside any other subtree."""
+    """``(key, new key, leaf)`` of the leaves ``select`` keeps; every key looked at is
+    appended to ``seen``. A value holding a container (a zarrckpt source gives a plain-JSON
+    subtree as one leaf) that is not kept whole is split into its entries, so that
+    ``keys="optim/param_groups/0/"`` selects inside it as it does inside any other subtree."""
     for leaf in leaves:
         try:
             key = cm.key_of(leaf.path)
         except UnsupportedValueError as e:
             key = repr(leaf.path)
             leaf = cm.Skipped(leaf.path, str(e))
+        seen.append(key)
         new = select(key)
         if new is not None:
             yield key, new, leaf
         elif isinstance(leaf, cm.ValueLeaf) and isinstance(leaf.value, (dict, list, tuple)) and leaf.value:
-            yield from _selected(_entries(leaf), select)
+            yield from _selected(_entries(leaf), select, seen)
+
+
+def _check_keys_select(keys: cm.KeysArg, picked: list[str], seen: list[str], src: Any) -> None:
+    """Refuse, before anything is written, a ``keys`` prefix (an old prefix of a mapping)
+    that selects none of the source's keys, or a callable that selects none at all: the
+    conversion would write an empty checkpoint or file. :class:`MissingKeysError` names
+    each such prefix with the closest keys of the source or their prefixes
+    (:func:`zarrckpt.inspect._check_selects`, as the command line's ``-k`` does);
+    ``picked``: the keys selected, ``seen``: every key of the source looked at."""
+    from .inspect import _check_selects
+
+    if keys is None:
+        return
+    where = os.fspath(src) if isinstance(src, (str, os.PathLike)) else str(src)
+    if callable(keys) and not isinstance(keys, (str, Mapping)):
+        if seen and not picked:
+            name = getattr(keys, "__name__", type(keys).__name__)
+            top = sorted({k.split("/", 1)[0] for k in seen})
+            raise MissingKeysError(f"keys={name} selects no key of {where} (top-level keys: "
+                                   + ", ".join(top[:12]) + (f", +{len(top) - 12} more" if len(top) > 12 else "")
+                                   + ")")
+        return
+    prefixes = [keys] if isinstance(keys, str) else [str(p) for p in keys]
+    _check_selects(prefixes, picked, where, test=lambda p: lambda k: k.startswith(p), known=seen)
 
 
 def _entries(leaf: cm.ValueLeaf) -> Iterator[cm.ValueLeaf]:
@@ -534,6 +650,10 @@ def _open_sink(make_sink: Callable[[Any], Any], source: Any) -> Any:
 
 
 def _pieces(it: _Item, done: list[int], tick: Callable[[str], None]) -> Iterator[tuple[tuple, np.ndarray]]:
+    """``(start, data)`` of every piece of an array item, cast; of a group, those of its
+    arrays, one after another."""
+    for m in it.members:
+        yield from _pieces(m, done, tick)
     if not isinstance(it.leaf, cm.ArrayLeaf):
         return
     for start, box in cm.piece_boxes(it.leaf.shape, it.chunk):
@@ -661,7 +781,11 @@ def to_dcp(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None, dtype: 
            overwrite: bool = False, strict: bool = True, storage: StorageOptions | None = None) -> ConversionReport:
     """A zarrckpt checkpoint -> a DCP directory as ``dcp.save`` writes it from one process
     (``dcp.load`` and ``dcp_to_torch_save`` read it). Tensors larger than the piece budget
-    are stored as several chunks, as a sharded tensor's are."""
+    are stored as several chunks, as a sharded tensor's are. The leaves become DCP's items
+    by DCP's own flattening rule (:func:`zarrckpt.interop._dcp.dcp_items`): a tuple, and a
+    list holding neither a tensor nor a dict, is one item (``torch.save`` of the whole
+    value: AdamW's ``betas``, a param group's ``params``); an empty dict, for which DCP
+    stores nothing, is skipped and listed in the report."""
     return _run(src, dst, "zarrckpt", lambda source: _DCPSink(dst, overwrite), keys=keys, dtype=dtype,
                 progress=progress, memory_limit=memory_limit, strict=strict, storage=storage)
 

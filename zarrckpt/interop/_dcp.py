@@ -36,11 +36,13 @@ and data files ``__<rank>_<n>.distcp``. Three kinds of bytes in it are pickles:
    error (or skipped, ``strict=False``). An item that is not a zip (older DCP versions
    wrote ``BytesIO`` leaves raw) is read as an ``io.BytesIO`` leaf.
 
-Writing produces what ``dcp.save`` writes on one process: one ``__0_0.distcp`` with one
-``torch.save`` item per piece of each tensor (tensors larger than the memory budget
-become several chunks, as a sharded tensor's are), ``BytesIO`` items for bytes and
-values through ``torch.save`` (``BytesIO`` leaves too, as DCP does), and ``.metadata`` pickled from DCP's own dataclasses, written
-last (DCP's commit point) through a temporary file.
+Writing produces what ``dcp.save`` writes on one process, item for item (DCP's own
+flattening rule, :func:`dcp_items`: a tuple, or a list of neither tensors nor dicts, is
+one value): one ``__0_0.distcp`` with one ``torch.save`` item per piece of each tensor
+(tensors larger than the memory budget become several chunks, as a sharded tensor's
+are), ``BytesIO`` items for bytes and values through ``torch.save`` (``BytesIO`` leaves
+too, as DCP does), and ``.metadata`` pickled from DCP's own dataclasses, written last
+(DCP's commit point) through a temporary file.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import math
 import os
 import pickle
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -317,6 +319,90 @@ def _overlap(boxes: list[tuple]) -> bool:
 # ------------------------------------------------------------------ writing
 
 
+class _Node:
+    """A container of :func:`dcp_items`' tree: its kind and its entries (a node, or the
+    index of a leaf)."""
+
+    __slots__ = ("kind", "entries")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: dict[Any, _Node | int] = {}
+
+
+def dcp_items(leaves: Sequence[tuple[tuple, tuple | None, str]]) -> list[tuple[int, list[int]]]:
+    """The items DCP stores for a state dict given by its leaves, by DCP's own flattening
+    rule (``traverse_state_dict`` of ``torch.distributed.checkpoint._traverse``, torch 2.4
+    and later, which ``dcp.save`` and ``dcp.load`` apply to a state dict alike):
+
+    * a dict is traversed: each entry is an item, or holds items;
+    * a tuple is one item (a value DCP ``torch.save``-s whole), whatever it holds;
+    * a list is one item unless an entry is a tensor, a dict, or a list that is not one
+      item itself; then each entry is traversed;
+    * any other value is an item; an empty dict (met where dicts are traversed) leaves no
+      item.
+
+    ``leaves``: ``(key path, kinds of the containers on the way, what)``, ``what`` being
+    ``"tensor"``, ``"dict"`` (an empty dict) or ``"value"`` (any other leaf: a container
+    value must be given by its entries). Returns ``(n, indexes)`` per item in the order of
+    the leaves: the subtree at the first ``n`` components of the paths of the leaves
+    ``indexes`` (``n`` the whole path for a leaf that is an item itself). The indexes of
+    the empty dicts DCP drops are in no item."""
+    root = _Node("dict")
+    for i, (path, containers, _) in enumerate(leaves):
+        kinds = tuple(containers or ()) + ("dict",) * len(path)
+        node = root
+        for depth, comp in enumerate(path[:-1]):
+            child = node.entries.setdefault(comp, _Node(kinds[depth]))
+            if not isinstance(child, _Node):
+                raise UnsupportedValueError(f"{_dotted(path[:depth + 1])!r} is a leaf, and {_dotted(path)!r} "
+                                            "cannot be under it in DCP; rename one with keys=")
+            node = child
+        if path[-1] in node.entries:
+            raise UnsupportedValueError(f"two leaves have the DCP name {_dotted(path)!r}; rename one with keys=")
+        node.entries[path[-1]] = i
+    out: list[tuple[int, list[int]]] = []
+    _visit(root, 0, leaves, out)
+    return out
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(map(str, path))
+
+
+def _visit(node: _Node, depth: int, leaves: Sequence[tuple], out: list[tuple[int, list[int]]]) -> None:
+    for entry in node.entries.values():
+        if isinstance(entry, int):
+            if leaves[entry][2] != "dict":
+                out.append((depth + 1, [entry]))
+        elif _terminal(entry, leaves):
+            out.append((depth + 1, list(_indexes(entry))))
+        else:
+            _visit(entry, depth + 1, leaves, out)
+
+
+def _terminal(node: _Node, leaves: Sequence[tuple]) -> bool:
+    """DCP's ``_is_terminal``: is this container one item?"""
+    if node.kind != "list":
+        return node.kind == "tuple"
+    for entry in node.entries.values():
+        if isinstance(entry, int):
+            if leaves[entry][2] in ("tensor", "dict"):
+                return False
+        elif entry.kind == "dict" or entry.kind == "list" and not _terminal(entry, leaves):
+            return False
+    return True
+
+
+def _indexes(node: _Node) -> Iterator[int]:
+    for entry in node.entries.values():
+        if isinstance(entry, int):
+            yield entry
+        else:
+            yield from _indexes(entry)
+
+
+
 class Sink:
     """A DCP checkpoint directory as ``dcp.save`` writes it from one process."""
 
@@ -431,4 +517,4 @@ class Sink:
                 os.rmdir(self.dir)
 
 
-__all__ = ["METADATA", "MetadataUnpickler", "Sink", "Source", "check_metadata", "read_metadata"]
+__all__ = ["METADATA", "MetadataUnpickler", "Sink", "Source", "check_metadata", "dcp_items", "read_metadata"]
