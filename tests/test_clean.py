@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 import zarrckpt
 from zarrckpt import cli
+from zarrckpt._lazy import format_bytes
 from zarrckpt._commit import SaveLock, lock_name
 from zarrckpt.storage import Storage
 
@@ -210,3 +212,57 @@ def test_cli_clean_keeps_a_live_save(tmp_path, capsys):
 def test_cli_clean_on_an_object_store_says_why_nothing_is_removed(capsys):
     code, out = run(capsys, "clean", "memory://clean/cli")
     assert code == 0 and "object stores" in out
+
+
+# ------------------------------------------------------------------ zarrckpt ls shows them
+
+
+def test_ls_shows_the_leftovers_of_dead_saves_until_clean_removes_them(tmp_path, capsys):
+    killed_save(plain_save(tmp_path / "c"))
+    zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "done")
+    code, out = run(capsys, "ls", tmp_path)
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["STEP", "STATE", "SIZE", "ARRAYS", "TIME", "PATH"], out
+    assert "2 checkpoints: 1 pending (a save interrupted or still running), 1 committed" in out
+    code, js = run(capsys, "ls", tmp_path, "--json")
+    doc = json.loads(js)
+    assert code == 0 and sorted(x["name"] for x in doc["checkpoints"]) == ["c", "done"]
+    assert sorted(x["kind"] for x in doc["leftovers"]) == ["claim", "directory", "lock"]
+    assert not any(x["live"] for x in doc["leftovers"]) and {x["name"] for x in doc["leftovers"]} == {"c"}
+    total = sum(x["nbytes"] for x in doc["leftovers"])
+    assert total >= 256 * 1024 * 4
+    assert lines[-1] == f"3 leftovers of dead saves ({format_bytes(total)}): zarrckpt clean {tmp_path} removes them"
+    assert "in progress" not in out
+    # one checkpoint: the leftovers of its name, in its parent directory
+    code, out = run(capsys, "ls", tmp_path / "c")
+    assert code == 0 and f"3 leftovers of dead saves ({format_bytes(total)}): zarrckpt clean {tmp_path} " in out
+    code, out = run(capsys, "ls", tmp_path / "done")
+    assert code == 0 and "dead saves" not in out and json.loads(run(capsys, "ls", tmp_path / "done", "--json")[1])[
+        "leftovers"] == []
+    assert len(hidden(tmp_path)) == 2  # ls removes nothing
+    run(capsys, "clean", tmp_path)
+    code, out = run(capsys, "ls", tmp_path)
+    assert code == 0 and "dead saves" not in out and "1 checkpoint: 1 committed" in out
+
+
+def test_ls_counts_a_running_save_as_in_progress_not_as_leftovers(tmp_path, capsys):
+    zarrckpt.save({"w": torch.zeros(3)}, tmp_path / "done")
+    with BlockedSave(plain_save(tmp_path / "c")):
+        code, out = run(capsys, "ls", tmp_path)
+        assert code == 0 and "dead saves" not in out, out
+        assert out.splitlines()[-1].startswith("1 save in progress (") and "written so far" in out
+        doc = json.loads(run(capsys, "ls", tmp_path, "--json")[1])
+        assert doc["leftovers"] and all(x["live"] for x in doc["leftovers"])
+        assert len(hidden(tmp_path)) == 2
+
+
+def test_ls_of_a_directory_holding_only_leftovers_names_them_in_its_error(tmp_path, capsys):
+    killed_save(plain_save(tmp_path / "c"))
+    shutil.rmtree(tmp_path / "c")  # the claim gone: only the dead save's directory and lock remain
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path)]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "no zarrckpt checkpoints" in err and "2 leftovers of dead saves (" in err, err
+    assert f"zarrckpt clean {tmp_path} removes them" in err
+    assert cli.main(["ls", str(tmp_path / "nothing")]) == cli.EXIT_ERROR
+    assert "dead saves" not in capsys.readouterr().err

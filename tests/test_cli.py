@@ -479,9 +479,12 @@ def test_ls_a_run_directory(run_dir, capsys):
     assert rows[0][2:4] == ["144", "B"] and rows[3][2] == "-"  # Linear(8, 4): 32 + 4 float32
     assert "4 checkpoints: 3 committed, 1 pending (a save interrupted or still running)" in out
     doc = json.loads(run(capsys, "ls", run_dir, "--json")[1])
+    assert [(x["kind"], x["name"], x["live"]) for x in doc["leftovers"]] == [("claim", "step_00000040", False)]
+    assert f"1 leftover of dead saves ({doc['leftovers'][0]['nbytes']} B): zarrckpt clean {run_dir} removes them" in out
+    doc = doc["checkpoints"]
     assert [x["step"] for x in doc] == [10, 20, 30, 40] and doc[3]["world_size"] == 2
     assert doc[0]["time"].endswith("Z") and doc[0]["nbytes"] == 144
-    assert json.loads(run(capsys, "ls", run_dir / "step_00000020", "--json")[1])[0]["step"] == 20
+    assert json.loads(run(capsys, "ls", run_dir / "step_00000020", "--json")[1])["checkpoints"][0]["step"] == 20
 
 
 def test_on_s3(s3, tmp_path, capsys, monkeypatch):

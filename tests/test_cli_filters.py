@@ -168,7 +168,7 @@ def test_ls_shows_the_step_of_a_step_directory(tmp_path, capsys):
     assert [(r[0], r[-1].rsplit("/", 1)[-1]) for r in rows] == [("1000", "step_1000"), ("2000", "step_2000"),
                                                                  ("3000", "final")]
     assert "step_1000: saved step 999" in out and "step_2000: saved" not in out
-    doc = {x["name"]: x for x in json.loads(run(capsys, "ls", run_dir, "--json")[1])}
+    doc = {x["name"]: x for x in json.loads(run(capsys, "ls", run_dir, "--json")[1])["checkpoints"]}
     assert (doc["step_1000"]["step"], doc["step_1000"]["saved_step"]) == (1000, 999)
     assert (doc["final"]["step"], doc["final"]["saved_step"]) == (3000, 3000)
     assert [x.step for x in zi.ls(run_dir)] == [1000, 2000, 3000]
@@ -184,6 +184,9 @@ def test_to_json_returns_text_the_cli_prints(ckpts, capsys):
         text = zi.to_json(result)
         assert isinstance(text, str)
         printed = json.loads(run(capsys, *cli_args, "--json")[1])
+        if cli_args[0] == "ls":  # {"checkpoints": zi.ls(...), "leftovers": zi.leftovers(...)}
+            assert printed["leftovers"] == json.loads(zi.to_json(zi.leftovers(a)))
+            printed = printed["checkpoints"]
         got = json.loads(text)
         if cli_args[0] == "info":
             assert got == printed

@@ -6,7 +6,8 @@ and analyse checkpoints from a shell::
     zarrckpt diff A B [--atol X] [--rtol Y] [--all]         keys, shapes, dtypes, max differences
     zarrckpt convert SRC DST [--to FORMAT] [-k OLD[=NEW]]... [--dtype DT] [--memory-limit SIZE]
     zarrckpt stats PATH... [--plot norms.png]               norm, mean, std, min, max, zeros/NaN/Inf
-    zarrckpt ls URL                                         the checkpoints of a run: step, state, size, time
+    zarrckpt ls URL                                         the checkpoints of a run: step, state, size, time;
+                                                            what dead saves left there (local only)
     zarrckpt clean DIR [--dry-run]                          remove what saves that died left (local only)
 
 Options may come before or after the paths. ``-k``/``--keys`` (info, diff, stats,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -41,7 +43,7 @@ from typing import Any, TextIO
 from . import inspect as zi
 from ._lazy import format_bytes
 from ._optional import require
-from .errors import CheckpointExistsError, ZarrckptError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ZarrckptError
 
 __all__ = ["main"]
 
@@ -451,9 +453,16 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    found = zi.ls(args.url, sizes=not args.no_sizes)
+    try:
+        found = zi.ls(args.url, sizes=not args.no_sizes)
+    except CheckpointNotFoundError as e:
+        notes = _leftover_notes(args.url, zi.leftovers(args.url))
+        if notes:
+            raise CheckpointNotFoundError(f"{e}; " + "; ".join(notes)) from None
+        raise
+    left = zi.leftovers(args.url)
     if args.json:
-        _emit_json(found)
+        _emit_json({"checkpoints": found, "leftovers": left})
         return EXIT_OK
     rows = [[str(x.step) if x.step is not None else "-", x.state,
              format_bytes(x.nbytes) if x.nbytes is not None else "-",
@@ -471,7 +480,27 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"  {x.name}: {x.error}")
         if x.saved_step is not None and x.saved_step != x.step:
             print(f"  {x.name}: saved step {x.saved_step}; STEP shows the step of its directory name")
+    for line in _leftover_notes(args.url, left):
+        print(line)
     return EXIT_OK
+
+
+def _leftover_notes(url: str, left: list[zi.Leftover]) -> list[str]:
+    """One line for the leftovers of dead saves (with their size and the command that
+    removes them), one for the saves still running; none when there are none."""
+    dead = [x for x in left if not x.live]
+    running = {(x.name, x.save_id) for x in left if x.live}
+    notes = []
+    if dead:
+        folder = os.path.dirname(dead[0].path)
+        where = url if os.path.normpath(os.path.abspath(url)) == folder else folder
+        size = format_bytes(sum(x.nbytes for x in dead))
+        notes.append(f"{_plural(len(dead), 'leftover')} of dead saves ({size}): "
+                     f"zarrckpt clean {shlex.quote(where)} removes them")
+    if running:
+        notes.append(f"{_plural(len(running), 'save')} in progress "
+                     f"({format_bytes(sum(x.nbytes for x in left if x.live))} written so far)")
+    return notes
 
 
 # ------------------------------------------------------------------ clean
@@ -590,7 +619,9 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("ls", parents=[common], help="the checkpoints under a run directory or prefix",
                        description="Every checkpoint under a directory or bucket prefix (or the one at it): "
-                                   "step, state (committed, pending, damaged), size of array data, time.")
+                                   "step, state (committed, pending, damaged), size of array data, time; "
+                                   "on local file systems also what dead saves left there (zarrckpt clean "
+                                   "removes it) and the saves still running.")
     c.add_argument("url")
     c.add_argument("--no-sizes", action="store_true", help="do not read array documents for sizes (faster)")
     c.set_defaults(run=_ls)

@@ -10,6 +10,7 @@ notebooks and scripts (conversions are :mod:`zarrckpt.convert`)::
     zi.diff("a", "b", atol=1e-6).same         # DiffReport: keys, shapes, dtypes, max abs / rel differences
     zi.stats("ckpt/run1")                     # [CheckpointStats], one per step: norm, mean, std, ...
     zi.ls("s3://bucket/run1")                 # [Listing]: step, state, size, time of each checkpoint
+    zi.leftovers("ckpt/run1")                 # [Leftover]: what dead (or running) saves left there
 
 Each returns dataclasses of plain values, each with ``as_dict()`` (JSON values) and
 ``to_json()`` (JSON text: what ``zarrckpt ... --json`` prints); :func:`to_json` and
@@ -53,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
+from ._commit import Leftover, clean_leftovers
 from ._lazy import placement_str
 from ._verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
 from ._walk import JsonReport, Progress, ProgressFn, boxes, json_text, json_values, parallel, raw_root, read_box
@@ -78,6 +80,7 @@ __all__ = [
     "diff",
     "info",
     "key_filter",
+    "leftovers",
     "ls",
     "plot_norms",
     "stats",
@@ -369,8 +372,9 @@ def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: 
     """The checkpoints at ``url``: the checkpoint itself, or every child directory or
     prefix holding a zarrckpt root (a CheckpointManager's ``step_<N>``, or any name), in
     step order. Names starting with ``.`` (a save's own directory, spec §7.2) are left
-    out. ``sizes``: also read every array ``zarr.json`` for ``nbytes``. Raises
-    :class:`CheckpointNotFoundError` when there is no checkpoint there at all."""
+    out: :func:`leftovers` finds those. ``sizes``: also read every array ``zarr.json`` for
+    ``nbytes``. Raises :class:`CheckpointNotFoundError` when there is no checkpoint there
+    at all."""
     root = os.fspath(url)
     st = Storage(root, storage)
     if st.local_path is not None and os.path.isfile(st.local_path.rstrip("/")):
@@ -387,6 +391,23 @@ def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: 
         raise CheckpointNotFoundError(f"no zarrckpt checkpoints at {root!r} (neither a checkpoint nor a "
                                       "directory or prefix holding any)")
     return sorted(out, key=lambda x: (x.step is None, x.step if x.step is not None else 0, x.name))
+
+
+def leftovers(url: str | os.PathLike, *, storage: StorageOptions | None = None) -> list[Leftover]:
+    """What saves left at ``url`` on a local file system (spec §7.5: hidden directories
+    ``.<name>.zarrckpt-<id>``, pending claims, lock files), as
+    :func:`zarrckpt.clean_leftovers` finds them with ``dry_run=True``: nothing is removed.
+    ``live``: the save still runs. For a checkpoint itself, the leftovers of its name in
+    its parent directory. ``[]`` on object stores (no lock tells a dead save from a
+    running one there) and where ``url`` is not a directory."""
+    path = Storage(os.fspath(url), storage).local_path
+    if path is None or not os.path.isdir(path):
+        return []
+    path = path.rstrip("/") or "/"
+    if os.path.exists(os.path.join(path, "zarr.json")):
+        parent, name = os.path.split(path)
+        return clean_leftovers(parent, dry_run=True, name=name, options=storage)
+    return clean_leftovers(path, dry_run=True, options=storage)
 
 
 def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -> Listing | None:
