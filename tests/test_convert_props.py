@@ -180,9 +180,9 @@ def _dcp_save(state, path: str) -> None:
 
     try:
         dcp.save(state, checkpoint_id=path, no_dist=True)
-    except ValueError as e:  # DCP's own refusal: two leaves flatten to one name ("a.b")
-        if "dupl" in str(e).lower():
-            reject()
+    except (ValueError, CheckpointException) as e:  # DCP's own refusal: two leaves flatten to
+        if "duplicated flatten key" in str(e):      # one name ("a.b"); raised as it is, or
+            reject()                                # wrapped by DCP's planning step
         raise
 
 

@@ -162,7 +162,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         plan_and_prepare(run)
         try:
             error = run.stage(shared_arena(), overlap=overlap)
-            run.g.agree_or_raise(error, f"staging the save to {run.url!r}", SaveFailedError)
+            run.g.agree(error, f"staging the save to {run.url!r}", SaveFailedError)
         except BaseException:
             run.abandon()
             raise

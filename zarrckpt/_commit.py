@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import format as fmt
 from ._io import wait_all
@@ -54,21 +53,19 @@ from .storage import Storage, StorageOptions, storage_error
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["Leftover", "SaveLock", "Target", "abandon", "begin", "clean_leftovers", "encode", "lock_name",
-           "publish", "retire", "staging_name"]
-
-
-def encode(doc: dict[str, Any]) -> bytes:
-    """The exact bytes of a stored JSON document."""
-    encoder = getattr(fmt, "encode_document", None)
-    if encoder is not None:
-        return encoder(doc)
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+__all__ = ["Leftover", "SaveLock", "Target", "abandon", "begin", "clean_leftovers", "lock_name", "publish",
+           "retire", "save_store", "staging_name"]
 
 
 def staging_name(name: str, save_id: str) -> str:
     """The directory a save writes into, next to its path (spec §7.3)."""
     return f".{name}.zarrckpt-{save_id}"
+
+
+def save_store(location: Storage, save_id: str) -> Storage:
+    """Where the save ``save_id`` to ``location`` writes: its own directory beside the
+    location on file systems (spec §7.3), the location itself on object stores."""
+    return location.sibling(staging_name(location.name, save_id)) if location.can_rename else location
 
 
 def lock_name(name: str, save_id: str) -> str:
@@ -135,7 +132,7 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
           groups: list[str]) -> Target:
     """Rank 0, before any rank writes: check the location, claim it, and create the
     directory of this save with its pending root and group documents."""
-    pending = encode(pending_root)
+    pending = fmt.encode_document(pending_root)
     if location.can_rename:
         lock = SaveLock.acquire(location, save_id)  # before anything of this save exists
         try:
@@ -150,8 +147,7 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
         except BaseException:
             lock.release()
             raise
-        target = Target(location, location.sibling(staging_name(location.name, save_id)), save_id,
-                        overwrite, claimed, lock=lock)
+        target = Target(location, save_store(location, save_id), save_id, overwrite, claimed, lock=lock)
         try:
             target.store.make_dir()
             target.store.write_atomic("zarr.json", pending)
@@ -189,13 +185,13 @@ def begin(location: Storage, save_id: str, overwrite: bool, pending_root: dict,
 
 
 def _write_groups(target: Target, groups: list[str]) -> None:
-    wait_all([(grp, target.store.put(f"{grp}/zarr.json", encode(fmt.group_metadata()))) for grp in groups],
-             "write")
+    doc = fmt.encode_document(fmt.group_metadata())
+    wait_all([(grp, target.store.put(f"{grp}/zarr.json", doc)) for grp in groups], "write")
 
 
 def publish(target: Target, committed_root: dict) -> None:
     """Rank 0, after every rank's writes are durable: make the checkpoint visible."""
-    data = encode(committed_root)
+    data = fmt.encode_document(committed_root)
     loc = target.location
     if target.in_place:
         if not loc.write_atomic("zarr.json", data, if_equal=target.generation):
@@ -289,7 +285,7 @@ def retire(location: Storage) -> None:
             pending = fmt.root_metadata(state="pending", save_id=fmt.new_save_id(),
                                         world_size=attrs.get("world_size", 1), created=fmt.utc_now(),
                                         writer=attrs.get("writer") or {})
-            if not location.write_atomic("zarr.json", encode(pending), if_equal=generation):
+            if not location.write_atomic("zarr.json", fmt.encode_document(pending), if_equal=generation):
                 raise ConcurrentSaveError(f"{location.url!r} changed while it was being deleted; "
                                           "it was left as it is")
             location.flush()

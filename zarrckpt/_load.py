@@ -305,12 +305,12 @@ def load(
         run.validate()
     except BaseException as e:  # noqa: BLE001 - every rank learns it at C1
         error = e
-    g.agree_or_raise(error, f"loading {str(path)!r}", LoadFailedError)  # C1
+    g.agree(error, f"loading {str(path)!r}", LoadFailedError)  # C1
     try:
         run.read()
     except BaseException as e:  # noqa: BLE001 - every rank learns it at C2
         error = e
-    g.agree_or_raise(error, f"loading {str(path)!r}", LoadFailedError)  # C2
+    g.agree(error, f"loading {str(path)!r}", LoadFailedError)  # C2
     run.apply()
     rep = run.report()
     log.info("zarrckpt load %s: %s", rep["path"], rep)

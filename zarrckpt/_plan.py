@@ -4,7 +4,8 @@ Planning is local (no collectives, no I/O): each leaf is checked and laid out
 (``layout.py``), and the chunks this rank writes and the boundary pieces it sends
 are computed. Later steps never modify a plan; they derive new ones
 (:func:`with_save_id`, :func:`assign_packs`, :func:`restrict_to_holders`).
-Executing a plan (copying, exchanging, writing) is ``_save.py``'s job.
+Executing a plan (copying, exchanging) is ``_save.py``'s job; writing it, the save
+engine's (``engine.py``).
 """
 
 from __future__ import annotations

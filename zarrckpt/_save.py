@@ -27,14 +27,19 @@ every rank then raises an error of the same class naming the failing ranks)::
 After a failure past C1, rank 0 deletes the save's directory (_commit.abandon).
 ``async_save`` (``_async.py``) runs everything up to C1b in the caller's thread,
 then write/C2/commit/C3 in a background thread over a separate gloo group.
+
+Claim, C1, the chunk writes, C2, commit, C3 and abandon are the save engine's
+(``engine.py``, shared with ``Writer`` and ``zarrckpt.jax.save``); this module is its
+torch adapter: planning, packing, the boundary exchange and staging, and the records
+(:class:`engine.ArrayWrite`) the engine writes from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,8 +49,7 @@ import torch
 
 from . import _commit
 from . import dist as zdist
-from . import dtypes, format as fmt, tree as ztree
-from ._io import InFlight
+from . import dtypes, engine, format as fmt, tree as ztree
 from ._plan import ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders, with_save_id
 from ._state import resolve_stateful
 from .layout import slices as _slices
@@ -56,8 +60,6 @@ from .storage import Storage, StorageOptions
 log = logging.getLogger("zarrckpt")
 
 __all__ = ["SaveOptions", "SaveRun", "run_save", "plan_and_prepare"]
-
-SMALL_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -115,23 +117,6 @@ class SaveOptions:
     def plan(self) -> PlanOptions:
         return PlanOptions(self.compression, self.inner_chunk_bytes, self.replica_split_bytes,
                            self.pack_bytes)
-
-
-def _writer_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from . import __version__
-
-    try:
-        ts_version = version("tensorstore")
-    except PackageNotFoundError:  # pragma: no cover
-        ts_version = "unknown"
-    return {
-        "zarrckpt": __version__,
-        "torch": torch.__version__,
-        "tensorstore": ts_version,
-        "python": platform.python_version(),
-    }
 
 
 class SaveRun:
@@ -224,7 +209,7 @@ class SaveRun:
         ids = [int(self.save_id[:15], 16), int(self.save_id[15:30], 16), self.created_us]
         ok, (same, agreed), ids = self.g.check(error is None, [payload, must], ids)
         if not ok:
-            self.g.agree_or_raise(error, f"planning the save to {self.url!r}", SaveFailedError)
+            self.g.agree(error, f"planning the save to {self.url!r}", SaveFailedError)
         if not agreed:
             views = self.g.all_gather(must.decode())
             raise SaveFailedError(
@@ -237,7 +222,7 @@ class SaveRun:
         self.arrays = [with_save_id(p, self.save_id) for p in self.arrays]
         if same and self.options.pack_bytes > 0:
             self.arrays, nodes = assign_packs(self.arrays, self.g, self.options.plan, self.save_id)
-            self.tree = _replace_arrays(self.tree, nodes)
+            self.tree = fmt.with_packed_nodes(self.tree, nodes)
         if not same:
             # Slow path (e.g. pipeline stages hold different keys): plain arrays are
             # written by the ranks that hold them; rank 0 merges the trees in prepare().
@@ -251,41 +236,35 @@ class SaveRun:
         self.all_docs = {p.key: p.metadata for p in self.arrays}
         if not same:
             self.gathered = self.g.gather_to_root((self.tree, self.all_docs))
-        loc = self.location
-        self.store = loc.sibling(_commit.staging_name(loc.name, self.save_id)) if loc.can_rename else loc
+        self.store = _commit.save_store(self.location, self.save_id)
         self._timed("plan", t0)
 
     # ---- prepare and C1 -------------------------------------------------------
 
     def prepare(self) -> None:
-        """Rank 0 claims the location and creates the save's directory; every rank
-        prepares its boundary exchange. C1."""
+        """Every rank prepares its boundary exchange; rank 0 claims the location and
+        creates the save's directory (engine.begin). C1."""
         t0 = time.perf_counter()
         error = None
+        pending, groups = None, []
         try:
             if self.g.rank == 0:
                 if self.gathered is not None:
                     self.tree = _merge_trees([t for t, _ in self.gathered])
                     for _, docs in reversed(self.gathered):
                         self.all_docs.update(docs)
-                groups = sorted({"/".join(k.split("/")[:i]) for k in self.all_docs
-                                 for i in range(1, len(k.split("/")))})
-                self.target = _commit.begin(self.location, self.save_id, self.overwrite,
-                                            self._root("pending"), groups)
+                pending, groups = self._root("pending"), fmt.group_paths(self.all_docs)
             self._plan_exchange()
-        except BaseException as e:  # noqa: BLE001 - reported to every rank below
+        except BaseException as e:  # noqa: BLE001 - reported to every rank at C1
             error = e
-        try:
-            self.g.agree_or_raise(error, f"preparing the save to {self.url!r}", SaveFailedError)
-        except BaseException:
-            self.abandon()
-            raise
+        self.target = engine.begin(self.g, self.location, self.save_id, self.overwrite, pending, groups,
+                                   error=error)
         self._timed("prepare", t0)
 
     def _root(self, state: str) -> dict:
         return fmt.root_metadata(
             state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
-            writer=_writer_versions(), tree=self.tree if state == "committed" else None,
+            writer=fmt.writer_versions(), tree=self.tree if state == "committed" else None,
             array_docs=self.all_docs if state == "committed" else None,
             **({"metadata": self.metadata} if self.metadata is not None else {}),
         )
@@ -378,62 +357,55 @@ class SaveRun:
     # ---- write and C2 -----------------------------------------------------------
 
     def write(self, *, streaming: bool) -> BaseException | None:
-        """Write every chunk this rank owns and make it durable. ``streaming`` (sync
-        saves): host data is written straight from the caller's tensors, device data
-        through a bounded arena. Returns the error (reported to all ranks at C2); every
-        write issued has completed (or failed) when this returns."""
+        """Write every chunk this rank owns and make it durable (engine.write_arrays).
+        ``streaming`` (sync saves): host data is written straight from the caller's
+        tensors, device data through a bounded arena. Returns the error (reported to all
+        ranks at C2); every write issued has completed (or failed) when this returns."""
         t0 = time.perf_counter()
         error = None
         try:
-            self._write(streaming)
+            with self._arena(streaming) as arena:
+                documents = {p.key: p.metadata for p in self.arrays
+                             if p.coord is not None and p.layout.metadata_writer() == p.coord}
+                arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
+                self.bytes_written += engine.write_arrays(self.store, documents, arrays,
+                                                          self.options.max_inflight_bytes)
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         finally:
-            self.store.close()
             self.assembled.clear()
             self.staged.clear()
         self._timed("write", t0)
         return error
 
-    def _write(self, streaming: bool) -> None:
-        st = self.store
-        with contextlib.ExitStack() as lease, InFlight(self.options.max_inflight_bytes, op="write",
-                                                         abort=st.is_object_store) as pending:
-            for p in self.arrays:
-                if p.coord is not None and p.layout.metadata_writer() == p.coord:
-                    pending.add(p.key, st.put(f"{p.key}/zarr.json", _commit.encode(p.metadata)), 0)
-            todo = [p for p in self.arrays if p.writes]
-            # Open every array that needs TensorStore at once (no I/O: metadata is assumed).
-            opened = {p.key: st.open_for_write(p.key, p.metadata) for p in todo if not _all_small(p)}
-            device = [p.source for p in todo if self._needs_data(p) and not p.on_host]
-            arena = None
-            if streaming and device:  # the process's streaming arena, reused by every save/load
-                arena = lease.enter_context(
-                    streaming_arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device)))))
-            for p in todo:
-                host = self.staged.get(p.key)
-                if host is None and p.kind == "pack":
-                    host = pack_bytes(p)
-                elif host is None and self._needs_data(p):
-                    host = p.host_view() if p.on_host else self._stream_stage(p, arena, pending)
-                built = self.assembled.get(p.key, {})
-                small = _small_chunks(p)
-                arr = None
-                for w in p.writes:
-                    data = built.get(w.index)
-                    if data is None:
-                        data = host[_slices(p.layout.to_local(p.coord, w.box))]
-                    if small and data.shape == p.layout.chunk_shape:
-                        pending.add(p.key, st.write_plain_chunk(p.key, w.index, data), data.nbytes)
-                    else:
-                        if arr is None:
-                            arr = (opened.get(p.key) or st.open_for_write(p.key, p.metadata)).result()
-                        pending.add(p.key, arr.write(w.box, data, stable=True), data.nbytes)
-                    self.bytes_written += data.nbytes
-            pending.wait()
-        st.flush()  # one syncfs for everything this rank wrote
+    def _arena(self, streaming: bool) -> Any:
+        """Sync saves of device data: the process's streaming arena (reused by every save
+        and load), as big as that data or ``max_staging_bytes``."""
+        device = [p.source for p in self.arrays if p.writes and self._needs_data(p) and not p.on_host]
+        if not (streaming and device):
+            return contextlib.nullcontext()
+        return streaming_arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device))))
 
-    def _stream_stage(self, p: ArrayPlan, arena: Arena, pending: InFlight) -> np.ndarray:
+    def _array_write(self, p: ArrayPlan, arena: Arena | None) -> engine.ArrayWrite:
+        """The engine's record of ``p``: chunks built by the exchange as they are, the
+        others as regions of this rank's local data."""
+        built = self.assembled.get(p.key, {})
+        chunks = tuple(engine.ChunkWrite(w.index, w.box, data=built[w.index]) if w.index in built
+                       else engine.ChunkWrite(w.index, w.box, local=p.layout.to_local(p.coord, w.box))
+                       for w in p.writes)
+        return engine.ArrayWrite(p.key, p.metadata, chunks, functools.partial(self._host, p, arena))
+
+    def _host(self, p: ArrayPlan, arena: Arena | None, out: engine.ChunkWriter) -> np.ndarray:
+        """This rank's data of ``p`` on the host: staged (async), the pack's bytes, a view
+        of host memory, or device data copied through the arena."""
+        host = self.staged.get(p.key)
+        if host is not None:
+            return host
+        if p.kind == "pack":
+            return pack_bytes(p)
+        return p.host_view() if p.on_host else self._stream_stage(p, arena, out)
+
+    def _stream_stage(self, p: ArrayPlan, arena: Arena, out: engine.ChunkWriter) -> np.ndarray:
         """Device data through a bounded arena: when full, wait for the writes using it."""
         t0 = time.perf_counter()
         need = staged_nbytes(p.source)
@@ -441,7 +413,7 @@ class SaveRun:
             host = dtypes.to_numpy(p.source.cpu())
         else:
             if not arena.fits(need):
-                pending.wait()
+                out.wait()
                 arena.reset()
             _, host = arena.stage(p.source)
             sync_devices([p.source])
@@ -451,22 +423,14 @@ class SaveRun:
     # ---- C2, commit, C3 ---------------------------------------------------------
 
     def finish(self, error: BaseException | None, g: zdist.Group) -> None:
-        """C2 (all data durable), the commit, C3; over group ``g``."""
-        g.agree_or_raise(error, f"writing the save to {self.url!r}", SaveFailedError)
+        """C2 (all data durable), the commit, C3; over group ``g`` (engine.finish)."""
         t0 = time.perf_counter()
-        error = None
-        if g.rank == 0:
-            try:
-                _commit.publish(self.target, self._root("committed"))
-            except BaseException as e:  # noqa: BLE001
-                error = e
-        g.agree_or_raise(error, f"committing the save to {self.url!r}", SaveFailedError)
+        engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"))
         self._timed("commit", t0)
 
     def abandon(self) -> None:
         """After a failure that every rank has seen: rank 0 removes this save's directory."""
-        if self.g.rank == 0:
-            _commit.abandon(self.target)
+        engine.abandon(self.g, self.target)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -519,33 +483,6 @@ def _merge_into(a: dict, b: dict) -> None:
                     f"map to the same stored name {ztree.escape(k)!r}")
             else:
                 _merge_into(mine[1], node)
-
-
-def _replace_arrays(node: dict, nodes: dict[str, dict]) -> dict:
-    """The tree with ``{"array": key}`` leaves swapped for ``nodes[key]``."""
-    ((kind, body),) = node.items()
-    if kind == "array":
-        return nodes.get(body, node)
-    if kind == "dict":
-        return {"dict": [[k, _replace_arrays(v, nodes)] for k, v in body]}
-    if kind in ("list", "tuple"):
-        return {kind: [_replace_arrays(v, nodes) for v in body]}
-    return node
-
-
-_PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-
-
-def _small_chunks(p: ArrayPlan) -> bool:
-    """Whole chunks of this array take the small-chunk fast path (edge chunks don't)."""
-    return p.metadata["codecs"] == _PLAIN and (
-        np.prod(p.layout.chunk_shape) * p.dtype.numpy.itemsize <= SMALL_CHUNK_BYTES)
-
-
-def _all_small(p: ArrayPlan) -> bool:
-    """Every chunk of this rank goes through the small-chunk fast path."""
-    return _small_chunks(p) and all(
-        tuple(b - a for a, b in w.box) == p.layout.chunk_shape for w in p.writes)
 
 
 def plan_and_prepare(run: SaveRun) -> None:

@@ -14,11 +14,12 @@ bounded by what the caller holds plus ``max_inflight_bytes``::
         w.add(("step",), 100)                                        # a JSON value
     # leaving the block commits; an exception abandons the save (the path is as before)
 
-The steps follow spec §7 exactly as :func:`zarrckpt.save` does with one rank
-(``_commit.begin``/``publish``/``abandon``): the location is claimed and a directory of
-this save is made beside it (in place on object stores); every array ``zarr.json``,
-chunk and intermediate group is written once; one ``syncfs``; then the committed root,
-with the digests of every array document (§6.6), is moved into place.
+The steps follow spec §7 through the save engine (``engine.py``, as :func:`zarrckpt.save`
+with one rank, over :class:`engine.OneProcess`): the location is claimed and a directory
+of this save is made beside it (in place on object stores); every array ``zarr.json``,
+chunk and intermediate group is written once, each chunk as it arrives
+(:class:`engine.ChunkWriter`); one ``syncfs``; then the committed root, with the digests
+of every array document (§6.6), is moved into place.
 
 Writer choices (the spec's Appendix C is informative; these differ only where streaming
 needs it): the chunk grid is the caller's (converters use pieces of a memory budget, so a
@@ -29,48 +30,26 @@ in the order they are added.
 
 from __future__ import annotations
 
+import functools
 import math
-import platform
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _commit
 from . import dtypes as zdt
+from . import engine
 from . import format as fmt
 from . import tree as ztree
-from ._io import InFlight
 from .errors import UnsupportedValueError, ZarrckptError
-from .storage import Array, Storage, StorageOptions
+from .storage import Storage, StorageOptions
 
-__all__ = ["ArrayWriter", "Writer", "writer_versions"]
+__all__ = ["ArrayWriter", "Writer"]
 
 _PACKABLE = ("tensor", "ndarray", "bytes", "bytesio")
-_PLAIN = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-_SMALL_CHUNK = 1 << 20  # whole plain chunks up to this size skip TensorStore (spec C.5 step 3)
 _PACK_ALIGN = 8
-
-
-def writer_versions(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The root's ``writer`` object: versions of the software that wrote the checkpoint."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from . import __version__
-
-    out = {"zarrckpt": __version__}
-    try:
-        out["tensorstore"] = version("tensorstore")
-    except PackageNotFoundError:  # pragma: no cover
-        out["tensorstore"] = "unknown"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        out["torch"] = str(torch.__version__)
-    out["python"] = platform.python_version()
-    out.update(extra or {})
-    return out
+_ONE = engine.OneProcess()
 
 
 _ARRAY = object()  # the value of an array leaf in Writer._insert (None is a value)
@@ -107,7 +86,6 @@ class ArrayWriter:
         self._doc = doc
         self._pack = pack  # (pack buffer, offset) of a packed leaf
         self._written: set[tuple[int, ...]] = set()
-        self._array: Array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -186,9 +164,8 @@ class Writer:
         self.metadata = metadata
         self.location = Storage(path, storage)
         self.url = self.location.url
-        self.save_id = fmt.new_save_id()
-        self.created = fmt.utc_now()
-        self._writer = writer_versions(writer)
+        self.save_id, self.created = engine.new_identity(_ONE)
+        self._writer = fmt.writer_versions(writer)
         self._root = _Node("dict", {}, {})
         self._docs: dict[str, dict] = {}
         self._arrays: list[ArrayWriter] = []
@@ -198,12 +175,16 @@ class Writer:
         self._pack_members: list[ArrayWriter] = []
         self._num_packs = 0
         self._closed = False
-        self.bytes_written = 0
         pending = fmt.root_metadata(state="pending", save_id=self.save_id, world_size=1,
                                     created=self.created, writer=self._writer)
-        self._target = _commit.begin(self.location, self.save_id, overwrite, pending, [])
+        self._target = engine.begin(_ONE, self.location, self.save_id, overwrite, pending, [])
         self.store = self._target.store
-        self._inflight = InFlight(max_inflight_bytes, op="write")
+        self._out = engine.ChunkWriter(self.store, max_inflight_bytes)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of chunk data written so far."""
+        return self._out.bytes_written
 
     # ---- leaves ------------------------------------------------------------------
 
@@ -322,7 +303,7 @@ class Writer:
         """The ``tree`` document of the leaves added so far (spec §6.2)."""
         skeleton = self._skeleton(self._root)
         tree = ztree.encode_tree(skeleton, lambda x: isinstance(x, _Ref))
-        return _replace(tree, self._nodes)
+        return fmt.with_packed_nodes(tree, self._nodes)
 
     # ---- documents and chunks ------------------------------------------------------------
 
@@ -336,31 +317,16 @@ class Writer:
             compression=self._codec, inner_chunk_bytes=self.inner_chunk_bytes)
 
     def _put_doc(self, path: str, doc: dict) -> None:
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            grp = "/".join(parts[:i])
+        for grp in fmt.group_paths([path]):
             if grp not in self._groups:
                 self._groups.add(grp)
-                self._inflight.add(grp, self.store.put(f"{grp}/zarr.json", _commit.encode(fmt.group_metadata())), 0)
+                self._out.document(grp, fmt.group_metadata())
         self._docs[path] = doc
-        self._inflight.add(path, self.store.put(f"{path}/zarr.json", _commit.encode(doc)), 0)
+        self._out.document(path, doc)
 
     def _write_chunk(self, a: ArrayWriter, index: tuple[int, ...], box: tuple[tuple[int, int], ...],
                      data: np.ndarray) -> None:
-        doc = self._docs[a.key]
-        if (doc["codecs"] == _PLAIN and data.shape == a.chunk_shape and data.nbytes <= _SMALL_CHUNK):
-            future = self.store.write_plain_chunk(a.key, index, data)
-        else:
-            if a._array is None:
-                try:
-                    a._array = self.store.open_for_write(a.key, doc).result()
-                except Exception as e:  # noqa: BLE001
-                    from .storage import translate_error
-
-                    raise translate_error(e, a.key, "write") from e
-            future = a._array.write(box, np.require(data, requirements="C"), stable=True)
-        self.bytes_written += data.nbytes
-        self._inflight.add(a.key, future, data.nbytes)
+        self._out.chunk(a.key, self._docs[a.key], index, box, data)
 
     # ---- packs -------------------------------------------------------------------
 
@@ -408,14 +374,8 @@ class Writer:
                 raise ZarrckptError(f"arrays {missing[:5]} were declared but not every chunk was written "
                                     f"({len(missing)} incomplete); nothing was committed")
             tree = self.tree()
-            self._inflight.wait()
-            self.store.close()
-            self.store.flush()
-            root = fmt.root_metadata(state="committed", save_id=self.save_id, world_size=1,
-                                     created=self.created, writer=self._writer, tree=tree,
-                                     array_docs=self._docs, metadata=self.metadata)
-            self._check_readable(root)
-            _commit.publish(self._target, root)
+            self._out.finish()
+            engine.finish(_ONE, self.url, self._target, None, functools.partial(self._committed_root, tree))
         except BaseException:
             self.abandon()
             raise
@@ -423,27 +383,29 @@ class Writer:
         return {"path": self.url, "save_id": self.save_id, "arrays": len(self._docs),
                 "leaves": len(self._arrays), "bytes_written": self.bytes_written}
 
-    def _check_readable(self, root: dict) -> None:
-        """Parse the root about to be committed as a reader will (spec §6.1-6.3, §6.6), so
-        that a save never commits a checkpoint that readers refuse; a failure is a bug of
-        the writer, reported before the commit."""
+    def _committed_root(self, tree: dict) -> dict:
+        """The committed root, parsed as a reader will (spec §6.1-6.3, §6.6), so that a
+        save never commits a checkpoint that readers refuse; a failure is a bug of the
+        writer, reported before the commit."""
+        root = fmt.root_metadata(state="committed", save_id=self.save_id, world_size=1, created=self.created,
+                                 writer=self._writer, tree=tree, array_docs=self._docs, metadata=self.metadata)
         try:
-            fmt.parse_root_bytes(_commit.encode(root), self.url)
+            fmt.parse_root_bytes(fmt.encode_document(root), self.url)
         except ZarrckptError as e:
             raise ZarrckptError(f"the checkpoint about to be committed at {self.url!r} would not be "
                                 f"readable, so nothing was committed (a bug in zarrckpt; please report "
                                 f"it): {e}") from e
+        return root
 
     def abandon(self) -> None:
         """Stop: wait for writes in flight, then remove this save's directory and claim."""
         if self._closed:
             return
         self._closed = True
-        self._inflight.drain()
         try:
-            self.store.close()
+            self._out.stop()
         finally:
-            _commit.abandon(self._target)
+            engine.abandon(_ONE, self._target)
 
     def __enter__(self) -> Writer:
         return self
@@ -453,17 +415,3 @@ class Writer:
             self.abandon()
         elif not self._closed:
             self.commit()
-
-
-def _replace(node: dict, nodes: dict[str, dict]) -> dict:
-    """The tree with ``{"array": key}`` leaves of packed keys swapped for their nodes."""
-    if not nodes:
-        return node
-    ((kind, body),) = node.items()
-    if kind == "array":
-        return nodes.get(body, node)
-    if kind == "dict":
-        return {"dict": [[k, _replace(v, nodes)] for k, v in body]}
-    if kind in ("list", "tuple"):
-        return {kind: [_replace(v, nodes) for v in body]}
-    return node

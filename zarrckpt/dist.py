@@ -1,7 +1,8 @@
 """The only module that calls ``torch.distributed``.
 
 Every collective zarrckpt issues is one of the named methods of :class:`Group`,
-so the number and order of collectives in a save can be read off ``_save.py``.
+so the number and order of collectives in a save can be read off ``_save.py`` and the
+save engine (``engine.py``), whose group protocol :class:`Group` implements.
 Without an initialised process group everything degrades to a world of one.
 
 A collective that fails (a peer died, the group timed out) raises
@@ -52,7 +53,8 @@ def _collective(op: str):
 
 @dataclass(frozen=True)
 class Group:
-    """A process group (or the single-process world) as zarrckpt uses it."""
+    """A process group (or the single-process world) as zarrckpt uses it. It implements
+    the save engine's group protocol (``rank``, ``size``, :meth:`agree`, :meth:`broadcast`)."""
 
     pg: Any
     rank: int
@@ -142,14 +144,18 @@ class Group:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    def agree_or_raise(self, error: BaseException | None, what: str,
-                       fallback: type[ZarrckptError]) -> None:
-        """One all-reduce; if any rank failed, every rank raises an error of one class.
+    def broadcast(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` (ints in 0 .. 2**62-1) on every rank (one all-reduce)."""
+        return self.check(True, [], values)[2]
+
+    def agree(self, error: BaseException | None, what: str, error_class: type[ZarrckptError]) -> None:
+        """One all-reduce; if any rank failed, every rank raises an error of one class
+        (the engine's group protocol, :class:`zarrckpt.engine.Group`).
 
         The failing ranks' errors are gathered (a slow path, taken only on failure) so
         that every message names each failing rank and its error. A rank that failed
         with a zarrckpt error re-raises it; the others raise the same class (or
-        ``fallback`` when the first failure is not a zarrckpt error). A rank that was
+        ``error_class`` when the first failure is not a zarrckpt error). A rank that was
         interrupted (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``)
         re-raises that, as itself; the others are told that it was interrupted.
         """
@@ -161,7 +167,7 @@ class Group:
         msgs = self.all_gather(msg)
         bad = {r: m for r, m in enumerate(msgs) if m is not None}
         first = bad[min(bad)]
-        cls = by_name(first[0]) or fallback
+        cls = by_name(first[0]) or error_class
         text = (f"{what} failed on rank(s) {sorted(bad)}: "
                 + "; ".join(f"rank {r}: {name}: {m}" for r, (name, m) in sorted(bad.items())))
         if error is not None and not isinstance(error, Exception):

@@ -17,9 +17,11 @@ import datetime as _dt
 import hashlib
 import json
 import math
+import platform
 import re
+import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +45,14 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "PACKED_KINDS",
+    "PLAIN_CODECS",
     "ArrayInfo",
     "RootInfo",
     "array_metadata",
     "check_array_digest",
     "decode_document",
     "encode_document",
+    "group_paths",
     "inner_chunk_shape",
     "parse_array",
     "parse_packed",
@@ -56,6 +60,8 @@ __all__ = [
     "parse_root_bytes",
     "root_digest",
     "root_metadata",
+    "with_packed_nodes",
+    "writer_versions",
 ]
 
 FORMAT_NAME = "zarrckpt"
@@ -80,6 +86,9 @@ DEFAULT_INNER_CHUNK_BYTES = 1 << 20
 
 _BYTES_CODEC = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
+# The codec chain of an uncompressed array without inner chunks (spec §5.4): its chunks are
+# their raw little-endian bytes and a CRC-32C, which writers may encode themselves (C.5).
+PLAIN_CODECS = [_BYTES_CODEC, _CRC]
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SAVE_ID = re.compile(r"[0-9a-f]{16,64}")
 _VERSION = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
@@ -285,7 +294,7 @@ def array_metadata(
                 "configuration": {
                     "chunk_shape": list(inner),
                     "codecs": inner_codecs,
-                    "index_codecs": [_BYTES_CODEC, _CRC],
+                    "index_codecs": list(PLAIN_CODECS),
                     "index_location": "end",
                 },
             }
@@ -309,6 +318,48 @@ def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     if attrs is not None:
         doc["attributes"] = {ATTR: attrs}
     return doc
+
+
+def group_paths(keys: Iterable[str]) -> list[str]:
+    """The intermediate groups of the arrays at ``keys`` (spec §5.1): every proper prefix
+    of a key, sorted; each holds a group ``zarr.json``."""
+    return sorted({key.rsplit("/", i)[0] for key in keys for i in range(1, key.count("/") + 1)})
+
+
+def with_packed_nodes(tree: dict, nodes: Mapping[str, dict]) -> dict:
+    """The ``tree`` document (spec §6.2) with the ``{"array": key}`` leaves of packed keys
+    swapped for their ``{"packed": ...}`` nodes (``nodes``: key -> node, spec §6.5)."""
+    if not nodes:
+        return tree
+    ((kind, body),) = tree.items()
+    if kind == "array":
+        return nodes.get(body, tree)
+    if kind == "dict":
+        return {"dict": [[k, with_packed_nodes(v, nodes)] for k, v in body]}
+    if kind in ("list", "tuple"):
+        return {kind: [with_packed_nodes(v, nodes) for v in body]}
+    return tree
+
+
+def writer_versions(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The root's ``writer`` object (spec §6.1): versions of the software that wrote the
+    checkpoint. torch is named only when it is imported (torch-free writers do not load
+    it); ``extra`` adds the caller's own (``{"jax": ...}``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    out = {"zarrckpt": __version__}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = str(torch.__version__)
+    try:
+        out["tensorstore"] = version("tensorstore")
+    except PackageNotFoundError:  # pragma: no cover
+        out["tensorstore"] = "unknown"
+    out["python"] = platform.python_version()
+    out.update(extra or {})
+    return out
 
 
 def root_metadata(
@@ -794,7 +845,7 @@ def _check_codecs(codecs: Any, chunk: tuple[int, ...], dt: dtypes.DType, where: 
               and all(c % i == 0 for c, i in zip(chunk, inner)), where,
               f"inner chunk_shape {inner!r:.80} must divide the chunk shape {list(chunk)}")
         _check_chain(cfg["codecs"], dt, where)
-        _need(cfg["index_codecs"] == [_BYTES_CODEC, _CRC], where,
+        _need(cfg["index_codecs"] == PLAIN_CODECS, where,
               "index_codecs must be [bytes (little endian), crc32c]")
         _need(cfg.get("index_location", "end") == "end", where, "the shard index must be at the end")
         return tuple(inner)

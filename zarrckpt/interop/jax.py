@@ -35,15 +35,16 @@ Multi-process jobs (``jax.distributed.initialize``): every process calls ``save`
 ``save`` agrees through ``jax.experimental.multihost_utils`` (four small all-gathers
 and one broadcast): process 0 claims the location and commits; every process writes
 the chunks its devices hold; a failure on one process fails the save on all of them,
-and nothing is committed.
+and nothing is committed. These steps are the save engine's (``zarrckpt/engine.py``,
+shared with ``zarrckpt.save``); ``_Processes`` is its group of JAX processes.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,13 +53,12 @@ from typing import Any
 import numpy as np
 
 from .. import _commit
-from .. import dtypes
+from .. import dtypes, engine
 from .. import errors as zerrors
 from .. import format as fmt
 from .. import tree as ztree
 from .._io import InFlight
 from .._optional import require
-from .._writer import writer_versions
 from ..errors import (
     DTypeMismatchError,
     MissingKeysError,
@@ -78,8 +78,6 @@ jax = require("jax", "zarrckpt.jax")
 __all__ = ["load", "save"]
 
 Box = tuple[tuple[int, int], ...]
-_SMALL_CHUNK_BYTES = 1 << 20
-_PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
 # ====================================================================== load
@@ -336,9 +334,8 @@ class _Plan:
     dtype: dtypes.DType
     layout: Layout
     mesh: tuple[tuple[int, ...], tuple[str, ...] | None, str | None] | None  # shape, names, device type
-    writes: list[tuple[Any, Callable[[], np.ndarray], tuple[int, ...]]]  # (ChunkWrite, host data, coord)
+    parts: list[tuple[Callable[[Any], np.ndarray], tuple[engine.ChunkWrite, ...]]]  # (host data, its chunks)
     writes_metadata: bool
-    doc: dict = field(default_factory=dict)
 
 
 class _Processes:
@@ -363,10 +360,13 @@ class _Processes:
 
         return [int(v) for v in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))]
 
-    def agree(self, error: BaseException | None, what: str, fingerprint: str = "") -> None:
+    def agree(self, error: BaseException | None, what: str, error_class: type[Exception] = SaveFailedError,
+              fingerprint: str = "") -> None:
         """Every process learns whether ``what`` succeeded everywhere (and, with a
         ``fingerprint``, whether every process had the same one); if not, every process
-        raises an error of one class naming the processes that failed."""
+        raises an error of one class naming the processes that failed (the engine's group
+        protocol): a zarrckpt error's class, or ``error_class``. A process that was
+        interrupted (``KeyboardInterrupt``, ``SystemExit``) re-raises that, as itself."""
         fp = int(fingerprint[:7], 16) if fingerprint else 0
         codes = self._allgather([_error_code(error), fp])
         failed = [r for r in range(self.size) if codes[r][0]]
@@ -377,10 +377,10 @@ class _Processes:
                     "(every process must call zarrckpt.jax.save with the same pytree structure, "
                     "shapes, shardings and arguments); nothing was written")
             return
-        cls = _error_class(int(codes[failed[0]][0]))
+        cls = _error_class(int(codes[failed[0]][0]), error_class)
         names = "process " + ", ".join(map(str, failed))
         if error is not None:
-            if self.size == 1:
+            if self.size == 1 or not isinstance(error, Exception):
                 raise error
             raise cls(f"{what} failed on {names}: {error}") from error
         raise cls(f"{what} failed on {names} (see the error there)")
@@ -398,8 +398,8 @@ def _error_code(error: BaseException | None) -> int:
     return 1
 
 
-def _error_class(code: int) -> type[Exception]:
-    return _ERROR_CLASSES[code - 2] if code >= 2 else SaveFailedError
+def _error_class(code: int, fallback: type[Exception]) -> type[Exception]:
+    return _ERROR_CLASSES[code - 2] if code >= 2 else fallback
 
 
 def _named_mesh(sharding: Any) -> tuple | None:
@@ -486,15 +486,10 @@ def _plan_leaf(key: str, leaf: Any, procs: _Processes, split_elems: Callable[[dt
         # One copy per process, taken to be equal (as torch plain tensors): chunks are
         # spread over the processes (replica writers), each written from the local copy.
         layout = Layout(shape, (procs.size,), (Replicate(),), key=key, replica_split_min_elems=split_elems(row))
-        data = host if host is not None else None
-        src = leaf
-
-        def local() -> np.ndarray:
-            return data if data is not None else np.asarray(src)
-
         coord = (procs.rank,)
-        writes = [(w, local, coord) for w in layout.save_plan(coord)[0]]
-        return _Plan(key, kind, row, layout, None, writes, layout.metadata_writer() == coord)
+        chunks = _chunk_writes(layout, coord, layout.save_plan(coord)[0])
+        parts = [(functools.partial(_to_host, leaf if host is None else host), chunks)] if chunks else []
+        return _Plan(key, kind, row, layout, None, parts, layout.metadata_writer() == coord)
     found = None
     if isinstance(sharding, jax.sharding.NamedSharding):
         found = _named_mesh(sharding)
@@ -511,7 +506,7 @@ def _plan_leaf(key: str, leaf: Any, procs: _Processes, split_elems: Callable[[dt
         raise UnsupportedPlacementError(f"array {key!r}: sharding {sharding} holds boxes that no mesh of "
                                         "Shard/Replicate placements describes; reshard it first")
     device_type = next(iter(sharding.device_set)).platform
-    writes = []
+    parts = []
     mine = set()
     for shard in leaf.addressable_shards:
         coord = coord_of[shard.device.id]
@@ -520,21 +515,33 @@ def _plan_leaf(key: str, leaf: Any, procs: _Processes, split_elems: Callable[[dt
         if sends or any(src != coord for w in plan_writes for src, _ in w.sources):
             raise UnsupportedPlacementError(f"array {key!r}: chunks straddle devices' shards")  # pragma: no cover
         if plan_writes:
-            host_of = _host_copy(shard)
-            writes += [(w, host_of, coord) for w in plan_writes]
-    return _Plan(key, "dtensor", row, layout, (mesh_shape, names, device_type), writes,
+            parts.append((functools.partial(_to_host, shard.data), _chunk_writes(layout, coord, plan_writes)))
+    return _Plan(key, "dtensor", row, layout, (mesh_shape, names, device_type), parts,
                  layout.metadata_writer() in mine)
 
 
-def _host_copy(shard: Any) -> Callable[[], np.ndarray]:
-    cache: list[np.ndarray] = []
+def _plan_leaves(pytree: dict, procs: _Processes, split_elems: Callable[[dtypes.DType], int | None]
+                 ) -> list[_Plan]:
+    """This process's plan of every array leaf, in key order."""
+    plans = [_plan_leaf(ztree.key_of(kp), leaf, procs, split_elems)
+             for kp, leaf in ztree.flatten(pytree, _is_array_leaf)
+             if _is_array_leaf(leaf) or isinstance(leaf, (bytes, bytearray, memoryview))]
+    return sorted(plans, key=lambda p: p.key)
 
-    def get() -> np.ndarray:
-        if not cache:
-            cache.append(np.asarray(shard.data))
-        return cache[0]
 
-    return get
+def _split_elems(replica_split_bytes: int | None, row: dtypes.DType) -> int | None:
+    """Elements of a replicated cell from which it is split among replicas (None: never)."""
+    return None if replica_split_bytes is None else max(replica_split_bytes // row.numpy.itemsize, 1)
+
+
+def _chunk_writes(layout: Layout, coord: tuple[int, ...], writes: list) -> tuple[engine.ChunkWrite, ...]:
+    """The engine's records of the chunks written from the shard at ``coord``."""
+    return tuple(engine.ChunkWrite(w.index, w.box, local=layout.to_local(coord, w.box)) for w in writes)
+
+
+def _to_host(data: Any, out: engine.ChunkWriter) -> np.ndarray:
+    """A shard's (or a process-local leaf's) data on the host, when its chunks are written."""
+    return np.asarray(data)
 
 
 def _doc(p: _Plan, save_id: str, compression: dict | None, inner_chunk_bytes: int) -> dict:
@@ -586,15 +593,8 @@ def save(pytree: dict, path: Any, *, overwrite: bool = False, metadata: dict | N
     try:
         if metadata is not None:
             fmt.check_metadata(metadata)
-
-        def split(row: dtypes.DType) -> int | None:
-            return None if replica_split_bytes is None else max(replica_split_bytes // row.numpy.itemsize, 1)
-
         tree = ztree.encode_tree(pytree, _is_array_leaf)
-        plans = [_plan_leaf(ztree.key_of(kp), leaf, procs, split)
-                 for kp, leaf in ztree.flatten(pytree, _is_array_leaf)
-                 if _is_array_leaf(leaf) or isinstance(leaf, (bytes, bytearray, memoryview))]
-        plans.sort(key=lambda p: p.key)
+        plans = _plan_leaves(pytree, procs, functools.partial(_split_elems, replica_split_bytes))
         fingerprint = hashlib.sha256(json.dumps(
             [tree, [_doc(p, "0" * 30, compression_codec, inner_chunk_bytes) for p in plans],
              {k: v for k, v in location.spec.items() if k not in ("aws_credentials", "aws_region")},
@@ -602,86 +602,34 @@ def save(pytree: dict, path: Any, *, overwrite: bool = False, metadata: dict | N
     except BaseException as e:  # noqa: BLE001 - every process learns of it
         error = e
     # C0: planned everywhere, the same everywhere; process 0's save id and time
-    procs.agree(error, f"planning the save to {location.url!r}", fingerprint)
-    save_id = fmt.new_save_id()
-    created_us = int(time.time() * 1e6)
-    ids = procs.broadcast([int(save_id[i:i + 6], 16) for i in range(0, 30, 6)]
-                          + [created_us >> 26, created_us & ((1 << 26) - 1)])
-    save_id = "".join(f"{v:06x}" for v in ids[:5])
-    created = fmt.utc_from_us((ids[5] << 26) | ids[6])
+    procs.agree(error, f"planning the save to {location.url!r}", SaveFailedError, fingerprint)
+    save_id, created = engine.new_identity(procs)
     docs = {p.key: _doc(p, save_id, compression_codec, inner_chunk_bytes) for p in plans}
-    for p in plans:
-        p.doc = docs[p.key]
     timings["plan"] = time.perf_counter() - t0
+    root = functools.partial(fmt.root_metadata, save_id=save_id, world_size=procs.size, created=created,
+                             writer=fmt.writer_versions({"jax": jax.__version__}))
 
-    def root(state: str) -> dict:
-        return fmt.root_metadata(state=state, save_id=save_id, world_size=procs.size, created=created,
-                                 writer=writer_versions({"jax": jax.__version__}), tree=tree if state == "committed" else None,
-                                 array_docs=docs if state == "committed" else None,
-                                 **({"metadata": metadata} if metadata is not None else {}))
-
-    # prepare: process 0 claims the location and creates this save's directory (C1)
-    t0 = time.perf_counter()
-    target = None
+    t0 = time.perf_counter()  # process 0 claims the location and creates this save's directory; C1
+    target = engine.begin(procs, location, save_id, overwrite, root(state="pending"), fmt.group_paths(docs))
+    timings["prepare"] = time.perf_counter() - t0
     try:
-        if procs.rank == 0:
-            groups = sorted({"/".join(k.split("/")[:i]) for k in docs for i in range(1, len(k.split("/")))})
-            target = _commit.begin(location, save_id, overwrite, root("pending"), groups)
-    except BaseException as e:  # noqa: BLE001
-        error = e
-    store = location.sibling(_commit.staging_name(location.name, save_id)) if location.can_rename else location
-    try:
-        procs.agree(error, f"preparing the save to {location.url!r}")
-        timings["prepare"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         written = 0
         try:
-            written = _write(store, plans, max_inflight_bytes)
-        except BaseException as e:  # noqa: BLE001
+            written = engine.write_arrays(
+                _commit.save_store(location, save_id), {p.key: docs[p.key] for p in plans if p.writes_metadata},
+                [engine.ArrayWrite(p.key, docs[p.key], chunks, host) for p in plans for host, chunks in p.parts],
+                max_inflight_bytes)
+        except BaseException as e:  # noqa: BLE001 - reported to every process at C2
             error = e
         timings["write"] = time.perf_counter() - t0
-        procs.agree(error, f"writing the save to {location.url!r}")  # C2: all durable
         t0 = time.perf_counter()
-        try:
-            if procs.rank == 0:
-                _commit.publish(target, root("committed"))
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        procs.agree(error, f"committing the save to {location.url!r}")  # C3
+        engine.finish(procs, location.url, target, error,
+                      functools.partial(root, state="committed", tree=tree, array_docs=docs,
+                                        **({"metadata": metadata} if metadata is not None else {})))
         timings["commit"] = time.perf_counter() - t0
     except BaseException:
-        if procs.rank == 0:
-            _commit.abandon(target)
+        engine.abandon(procs, target)
         raise
     return {"path": location.url, "process": procs.rank, "save_id": save_id, "arrays": len(plans),
             "bytes_written": written, "seconds": {**timings, "total": sum(timings.values())}}
-
-
-def _write(store: Storage, plans: list[_Plan], max_inflight_bytes: int) -> int:
-    """Write this process's array documents and chunks; wait for all; make them durable."""
-    written = 0
-    try:
-        with InFlight(max_inflight_bytes, op="write") as pending:
-            for p in plans:
-                if p.writes_metadata:
-                    pending.add(p.key, store.put(f"{p.key}/zarr.json", fmt.encode_document(p.doc)), 0)
-            for p in plans:
-                if not p.writes:
-                    continue
-                small = p.doc["codecs"] == _PLAIN_CODECS and (
-                    math.prod(p.layout.chunk_shape) * p.dtype.numpy.itemsize <= _SMALL_CHUNK_BYTES)
-                arr = None
-                for w, host, coord in p.writes:
-                    data = host()[_slices(p.layout.to_local(coord, w.box))]
-                    if small and data.shape == p.layout.chunk_shape:
-                        pending.add(p.key, store.write_plain_chunk(p.key, w.index, data), data.nbytes)
-                    else:
-                        if arr is None:
-                            arr = store.open_for_write(p.key, p.doc).result()
-                        pending.add(p.key, arr.write(w.box, data, stable=True), data.nbytes)
-                    written += data.nbytes
-            pending.wait()
-    finally:
-        store.close()
-    store.flush()
-    return written
