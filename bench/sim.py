@@ -16,9 +16,9 @@ import random
 import statistics
 import time
 
-from zarrckpt import format as fmt
-from zarrckpt import layout as L
-from zarrckpt import tree as ztree
+from zarrckpt.format import documents as fmt
+from zarrckpt.format import layout as L
+from zarrckpt.format import tree as ztree
 
 MESH = (1024, 8)
 PLACEMENTS = [(L.Shard(0), L.Shard(1)), (L.Replicate(), L.Shard(0)), (L.StridedShard(0, 8), L.Shard(0))]

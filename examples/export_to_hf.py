@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zarrckpt
-from zarrckpt import convert
+from zarrckpt.tools import convert
 
 CONFIG = {
     "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_positions": 64,
@@ -101,7 +101,7 @@ def train(model: nn.Module, steps: int) -> torch.optim.Optimizer:
 
 def load_like_transformers(folder: str) -> nn.Module:
     """What ``from_pretrained`` does with the folder: config -> model -> index -> shards."""
-    from zarrckpt.interop._safetensors import Source  # or safetensors.torch.load_file
+    from zarrckpt.interop.safetensors_io import Source  # or safetensors.torch.load_file
 
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import zarrckpt
-from zarrckpt import dtypes
+from zarrckpt.format import dtypes
 
 # key: (shape, dtype, save placements, load placements); None: a plain tensor
 SPECS = {

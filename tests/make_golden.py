@@ -63,7 +63,7 @@ def leaf_bytes(leaf: Any) -> tuple[str, str, list[int], bytes]:
     """(leaf kind, data type, shape, little-endian C-order bytes) of an array leaf."""
     import torch
 
-    from zarrckpt import dtypes
+    from zarrckpt.format import dtypes
 
     if isinstance(leaf, torch.Tensor):
         if hasattr(leaf, "full_tensor"):
@@ -290,7 +290,7 @@ def main(version: str, root: Path = GOLDEN) -> None:
     import torch.multiprocessing as mp
 
     import zarrckpt
-    from zarrckpt import format as zformat
+    from zarrckpt.format import documents as zformat
 
     if zformat.FORMAT_VERSION != version:
         sys.exit(f"this zarrckpt writes format {zformat.FORMAT_VERSION}, not {version}")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import staging
-from zarrckpt._plan import ArrayPlan
+from zarrckpt.distributed import staging
+from zarrckpt.planning.plan import ArrayPlan
 
 
 def test_async_save_snapshots_and_commits(tmp_path):

@@ -1,7 +1,7 @@
 """One table of bad documents, refused by the JSON Schema twin and by the parsers alike.
 
 Every case is one rule of spec/format.md. Each runs through the schema (``spec/zarrckpt.schema.json``)
-and through the parsers a reader uses (``zarrckpt.format.parse_root_bytes`` /
+and through the parsers a reader uses (``zarrckpt.format.documents.parse_root_bytes`` /
 ``decode_document`` + ``parse_array``), so the two cannot drift. A rule the schema cannot
 express (JSON syntax, digests over bytes, cross-document rules) is marked with the reason,
 and the parser is then checked alone. ``match`` makes sure the parser refuses for the
@@ -19,7 +19,7 @@ import pytest
 
 from test_spec import assert_valid, is_valid
 from zarrckpt import errors
-from zarrckpt import format as fmt
+from zarrckpt.format import documents as fmt
 
 SAVE_ID = "c088eeef2a2e4ebbb33f64d834138a"  # 30 digits, as zarrckpt writes
 HEX = "ab" * 32

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import cli
-from zarrckpt._lazy import format_bytes
-from zarrckpt._commit import SaveLock, lock_name
+from zarrckpt.tools import cli
+from zarrckpt.readers.lazy import format_bytes
+from zarrckpt.engine.commit import SaveLock, lock_name
 from zarrckpt.storage import Storage
 
 clean_leftovers = zarrckpt.clean_leftovers  # the public name
@@ -30,7 +30,7 @@ SAVE_SCRIPT = """
 import os, signal, sys, torch
 sys.path.insert(0, {repo!r})
 import zarrckpt
-from zarrckpt import _commit
+from zarrckpt.engine import commit as _commit
 
 def stop(*args, **kwargs):
     if {how!r} == "block":

@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import zarrckpt
-import zarrckpt.inspect as zi
-from zarrckpt import cli
-from zarrckpt import dtypes as zdt
-from zarrckpt import format as fmt
-from zarrckpt._writer import Writer
+from zarrckpt.tools import inspect as zi
+from zarrckpt.tools import cli
+from zarrckpt.format import dtypes as zdt
+from zarrckpt.format import documents as fmt
+from zarrckpt.engine.writer import Writer
 
 REPO = Path(__file__).resolve().parent.parent
 F32 = zdt.by_zarr("float32")
@@ -648,7 +648,7 @@ sys.meta_path.insert(0, Block())
 def test_no_torch_needed_except_for_torch_formats(grid, tmp_path):
     code = BLOCK_TORCH + f"""
 import contextlib, io, json, runpy
-from zarrckpt import cli
+from zarrckpt.tools import cli
 grid, tmp = {str(grid)!r}, {str(tmp_path)!r}
 def run(*args):
     out, err = io.StringIO(), io.StringIO()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zarrckpt
-import zarrckpt.inspect as zi
+from zarrckpt.tools import inspect as zi
 from zarrckpt.errors import MissingKeysError
 from test_cli import run, write  # noqa: E402 - tests/ is on sys.path (conftest)
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import convert, dtypes
+from zarrckpt.tools import convert
+from zarrckpt.format import dtypes
 from zarrckpt.errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError,
                              UnsupportedValueError)
 
@@ -67,7 +68,7 @@ def load_zarr_flat(path) -> dict[str, torch.Tensor]:
     out = {}
     for k in ckpt.array_keys():
         a = ckpt.read(k)
-        out[zarrckpt.tree.unescape(k) if "/" not in k else k] = dtypes.from_numpy(np.array(a), dtypes.by_numpy(a.dtype))
+        out[zarrckpt.format.tree.unescape(k) if "/" not in k else k] = dtypes.from_numpy(np.array(a), dtypes.by_numpy(a.dtype))
     return out
 
 
@@ -500,7 +501,7 @@ def test_destinations_refused(tmp_path):
 def test_exists_error_names_the_option(tmp_path, capsys):
     """A refusal to replace the destination names overwrite=True, and carries it as
     ``option`` so the command line says --overwrite (issue 18)."""
-    from zarrckpt.cli import main
+    from zarrckpt.tools.cli import main
 
     zarrckpt.save({"w": torch.ones(2), "x": None}, tmp_path / "ck")
     torch.save({"w": torch.ones(2), "x": None}, tmp_path / "in.pt")
@@ -580,7 +581,7 @@ def test_to_dcp_items_as_dcp_save_makes_them(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from zarrckpt.interop._dcp import read_metadata
+    from zarrckpt.interop.dcp import read_metadata
 
     state = {"optim": {"state": {}, "param_groups": [{"betas": (0.9, 0.999), "params": [0, 1], "fused": None,
                                                       "eps": float("inf")}]},

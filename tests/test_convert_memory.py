@@ -44,8 +44,8 @@ CHILD = textwrap.dedent("""
 
 
 def _write_safetensors(path: str, n: int, nbytes: int) -> None:
-    from zarrckpt import dtypes
-    from zarrckpt.interop._safetensors import Planned, header_bytes
+    from zarrckpt.format import dtypes
+    from zarrckpt.interop.safetensors_io import Planned, header_bytes
 
     items = [Planned(f"layers.{i}.weight", dtypes.by_zarr("float32"), (nbytes // 4 // 1024, 1024), None)
              for i in range(n)]
@@ -62,7 +62,7 @@ def _write_safetensors(path: str, n: int, nbytes: int) -> None:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from zarrckpt import convert
+    from zarrckpt.tools import convert
 
     d = tmp_path_factory.mktemp("mem")
     big, small = str(d / "big.safetensors"), str(d / "small.safetensors")

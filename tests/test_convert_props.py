@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 import zarrckpt
-from zarrckpt import convert, dtypes
+from zarrckpt.tools import convert
+from zarrckpt.format import dtypes
 from zarrckpt.errors import UnsupportedValueError
-from zarrckpt.interop._safetensors import FROM_ZARR
-from zarrckpt.tree import escape, flatten, key_of
+from zarrckpt.interop.safetensors_io import FROM_ZARR
+from zarrckpt.format.tree import escape, flatten, key_of
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -137,7 +138,7 @@ def dcp_form(state: dict):
 
 def _dcp_items(path: str) -> dict[str, str]:
     """The items of a DCP checkpoint: {name: kind of storage metadata}."""
-    from zarrckpt.interop._dcp import read_metadata
+    from zarrckpt.interop.dcp import read_metadata
 
     return {k: type(v).__name__ for k, v in read_metadata(path).state_dict_metadata.items()}
 

@@ -1,4 +1,4 @@
-"""zarrckpt._writer.Writer: one process writes a checkpoint leaf by leaf (spec §7), and the
+"""zarrckpt.engine.writer.Writer: one process writes a checkpoint leaf by leaf (spec §7), and the
 converters need no torch for safetensors."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import dtypes
-from zarrckpt._writer import Writer
+from zarrckpt.format import dtypes
+from zarrckpt.engine.writer import Writer
 from zarrckpt.errors import CheckpointExistsError, ZarrckptError
 
 BF16 = dtypes.by_zarr("bfloat16")
@@ -93,8 +93,8 @@ def test_safetensors_conversion_needs_no_torch(tmp_path):
 import sys, numpy as np
 sys.modules["torch"] = None  # importing torch now fails
 from zarrckpt import convert
-from zarrckpt.interop._safetensors import Planned, header_bytes
-from zarrckpt import dtypes
+from zarrckpt.interop.safetensors_io import Planned, header_bytes
+from zarrckpt.format import dtypes
 items = [Planned("a.b", dtypes.by_zarr("bfloat16"), (3, 2), None)]
 with open(r"{tmp_path}/x.safetensors", "wb") as f:
     f.write(header_bytes(items, None) + bytes(range(12)))

@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from zarrckpt import staging
+    from zarrckpt.distributed import staging
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)

@@ -150,7 +150,7 @@ def test_save_writes_each_byte_once(saved, save_layout):
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    from zarrckpt import dtypes
+    from zarrckpt.format import dtypes
 
     return dtypes.to_numpy(t.contiguous())
 

@@ -1,4 +1,4 @@
-"""zarrckpt.engine driven directly: spec §7 over the one-process group, the torch group and a
+"""zarrckpt.engine.save driven directly: spec §7 over the one-process group, the torch group and a
 fake two-rank group (two threads), the small-chunk decision, and agreement on failures."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import _commit, dtypes, engine
-from zarrckpt import dist as zdist
-from zarrckpt import format as fmt
-from zarrckpt import tree as ztree
+from zarrckpt.engine import commit as _commit, save as engine
+from zarrckpt.format import dtypes
+from zarrckpt.distributed import group as zdist
+from zarrckpt.format import documents as fmt
+from zarrckpt.format import tree as ztree
 from zarrckpt.errors import SaveFailedError, ZarrckptError
 from zarrckpt.storage import Storage
 
@@ -267,6 +268,6 @@ def test_fast_chunk_shape():
 
 
 def test_engine_imports_neither_torch_nor_jax():
-    code = ("import sys, zarrckpt.engine; "
+    code = ("import sys, zarrckpt.engine.save; "
             "assert 'torch' not in sys.modules and 'jax' not in sys.modules, 'framework imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

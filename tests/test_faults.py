@@ -113,7 +113,7 @@ def test_overwrite_validates_every_leaf_before_touching_the_old_checkpoint(tmp_p
 
 def test_overwrite_keeps_old_checkpoint_loadable_until_commit(tmp_path, monkeypatch):
     zarrckpt.save(state(1.0), tmp_path / "c")
-    from zarrckpt import _commit
+    from zarrckpt.engine import commit as _commit
 
     seen = {}
     real = _commit.publish
@@ -231,7 +231,7 @@ def test_two_jobs_saving_to_one_path(tmp_path):
 
 def test_reader_across_an_overwrite_is_told(tmp_path, monkeypatch):
     zarrckpt.save(state(1.0, size=512), tmp_path / "c", pack_bytes=0)
-    from zarrckpt import _load
+    from zarrckpt.api import load as _load
 
     real = _load._Reads.finish
 
@@ -379,7 +379,7 @@ def test_async_saves_from_two_threads_are_not_mixed(tmp_path):
 
 
 def test_reserve_staging_before_the_first_async_save(tmp_path):
-    from zarrckpt import staging
+    from zarrckpt.distributed import staging
 
     sd = {"w": torch.randn(256, 256), "b": torch.randn(256)}
     zarrckpt.release_staging()

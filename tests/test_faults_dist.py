@@ -45,7 +45,7 @@ def _outcome(fn):
 
 def rank_async_sub_groups(rank, world, path):
     import torch.distributed as dist
-    from zarrckpt import dist as zdist
+    from zarrckpt.distributed import group as zdist
 
     groups = [dist.new_group([0, 1], timeout=timedelta(seconds=40)),
               dist.new_group([2, 3], timeout=timedelta(seconds=40))]
@@ -75,7 +75,7 @@ def test_async_save_from_sub_groups(tmp_path, clusters):
 
 
 def rank_staging_fails(rank, world, path):
-    from zarrckpt import staging
+    from zarrckpt.distributed import staging
 
     real = staging.Arena.stage
     if rank == 1:
@@ -97,7 +97,7 @@ def test_async_staging_failure_reaches_every_rank(tmp_path, clusters):
 
 
 def rank_pack_fails(rank, world, path):
-    import zarrckpt._save as s
+    import zarrckpt.api.save as s
 
     real = s.pack_bytes
     if rank == 1:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import _commit
+from zarrckpt.engine import commit as _commit
 
 
 class DyingS3:

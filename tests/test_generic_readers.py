@@ -86,7 +86,7 @@ def chunk_files(path: Path, array: str) -> list[Path]:
 @pytest.mark.parametrize("version,name", CASES, ids=[f"{v}-{n}" for v, n in CASES])
 def test_zarrckpt_open_reads_golden_without_torch(version, name):
     """Every array leaf, bit for bit, through the torch-free reader."""
-    from zarrckpt.tree import key_of
+    from zarrckpt.format.tree import key_of
 
     ckpt = zarrckpt.open(GOLDEN / version / name)
     want = expected_leaves(manifest(version, name)["expected"])

@@ -24,7 +24,7 @@ import torch
 import zarrckpt
 from make_golden import describe, leaf_bytes
 from test_spec import assert_valid, spec_leaves, spec_numpy_dtype
-from zarrckpt import dtypes as zdtypes
+from zarrckpt.format import dtypes as zdtypes
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 MANIFESTS = {d.name: json.loads((d / "manifest.json").read_text(encoding="utf-8"))
@@ -92,7 +92,7 @@ def test_load_in_place_bit_for_bit(version, name):
 @pytest.mark.parametrize("version,name", CASES, ids=IDS)
 def test_open_reads_every_key(version, name):
     path, expected = golden(version, name)
-    from zarrckpt.tree import key_of
+    from zarrckpt.format.tree import key_of
 
     ckpt = zarrckpt.open(path)
     want = {key_of(p): v for p, v in flat_expected(expected).items()}

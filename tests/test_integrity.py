@@ -21,7 +21,7 @@ import torch
 
 import zarrckpt
 from zarrckpt import errors
-from zarrckpt import format as fmt
+from zarrckpt.format import documents as fmt
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -141,7 +141,7 @@ def test_save_other_shardings(tmp_path, mesh):
     assert mesh_shape == (8,) and names is None and [str(p) for p in placements] == ["Shard(dim=0)"]
     assert sorted(coord_of.values()) == [(i,) for i in range(8)]
     rep = NamedSharding(mesh, P("x"))
-    assert _grid_mesh(rep, (4, 2))[:3] == ((2, 4), None, (zarrckpt.layout.Shard(0), zarrckpt.layout.Replicate()))
+    assert _grid_mesh(rep, (4, 2))[:3] == ((2, 4), None, (zarrckpt.format.layout.Shard(0), zarrckpt.format.layout.Replicate()))
 
 
 def test_save_refuses_before_writing(tmp_path, mesh):
@@ -175,7 +175,7 @@ def torch_ckpt(tmp_path_factory):
                        "n": torch.arange(8, dtype=torch.int64)},
              "step": 4, "blob": b"abc", "arr": np.arange(6, dtype=np.int16).reshape(2, 3)}
     zarrckpt.save(state, path, pack_bytes=1024, inner_chunk_bytes=4096)
-    from zarrckpt import dtypes
+    from zarrckpt.format import dtypes
 
     flat = {f"model/{k}": dtypes.to_numpy(v) for k, v in state["model"].items()}
     flat["arr"] = state["arr"]

@@ -1,4 +1,4 @@
-"""zarrckpt.layout: index sets vs torch's DTensor sharding, cells/replicas, chunk grid, save plans.
+"""zarrckpt.format.layout: index sets vs torch's DTensor sharding, cells/replicas, chunk grid, save plans.
 
 torch's result is computed without process groups: each mesh dim's placement is applied left to
 right with ``Shard._split_tensor`` / ``_StridedShard._split_tensor`` to an index tensor
@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Shard as TShard
 from torch.distributed.tensor.placement_types import _StridedShard as TStridedShard
 
 from zarrckpt.errors import UnsupportedPlacementError
-from zarrckpt.layout import (
+from zarrckpt.format.layout import (
     ChunkWrite,
     Layout,
     Replicate,

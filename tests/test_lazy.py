@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import dtypes
-from zarrckpt._lazy import normalize_index
+from zarrckpt.format import dtypes
+from zarrckpt.readers.lazy import normalize_index
 
 BLOCK_TORCH = """
 import sys
@@ -370,7 +370,7 @@ def test_reads_through_a_handle_after_an_overwrite_are_refused(tmp_path, read):
 def test_a_read_that_races_an_overwrite_is_caught_after_it(tmp_path, monkeypatch):
     """The check comes after the data: an overwrite landing while a read is in flight is
     caught, whichever save's bytes the read returned."""
-    from zarrckpt import reader
+    from zarrckpt.readers import checkpoint as reader
 
     zarrckpt.save({"big": torch.arange(20000.0), "step": 1}, tmp_path / "c", pack_bytes=0)
     ck = zarrckpt.open(tmp_path / "c")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import _load
+from zarrckpt.api import load as _load
 
 
 def state(value: float, n: int = 3000) -> dict:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zarr
 
-from zarrckpt import dtypes
-from zarrckpt import format as fmt
+from zarrckpt.format import dtypes
+from zarrckpt.format import documents as fmt
 from zarrckpt.errors import CorruptChunkError
 from zarrckpt.storage import Storage, StorageOptions
 from zarrckpt.storage import _localfile

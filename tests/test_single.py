@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import dtypes
+from zarrckpt.format import dtypes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
@@ -365,7 +365,7 @@ print("ok")
 def test_plans_are_reused_across_saves_and_never_stale(tmp_path):
     """A second save of the same structure reuses the plans of the first (planning is in the
     blocking part of an async save); a change of shape, dtype or options is planned afresh."""
-    from zarrckpt import _plan
+    from zarrckpt.planning import plan as _plan
 
     _plan._CACHE.clear()
     sd = {f"w{i}": torch.randn(64, 32) for i in range(20)}

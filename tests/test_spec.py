@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import zarrckpt
-from zarrckpt import dtypes as zdtypes
-from zarrckpt import format as zformat
-from zarrckpt import layout as zlayout
+from zarrckpt.format import dtypes as zdtypes
+from zarrckpt.format import documents as zformat
+from zarrckpt.format import layout as zlayout
 
 import jsonschema  # noqa: E402  (a test dependency: fail loudly if missing, never skip)
 from referencing import Registry, Resource  # noqa: E402  (ships with jsonschema >= 4.18)
@@ -70,7 +70,7 @@ _SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
 def spec_escape(component: str | int) -> str:
-    """§4.2, written from the text of the spec (not from zarrckpt.tree)."""
+    """§4.2, written from the text of the spec (not from zarrckpt.format.tree)."""
     if isinstance(component, int):
         return str(component)
     if component == "":
@@ -494,7 +494,7 @@ def _staging_dirs(parent: Path) -> list[Path]:
 def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
     """§7: a save that never reached its commit leaves pending roots that readers refuse: the
     claim at the path and, on a file system, the save's own directory beside it (§7.3)."""
-    from zarrckpt import _commit
+    from zarrckpt.engine import commit as _commit
 
     monkeypatch.setattr(_commit, "publish", lambda *args, **kwargs: None)
     state = {"w": torch.ones(3), "n": 1, "small": {"a": torch.ones(2), "b": b"xy"}}
@@ -516,7 +516,7 @@ def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
 def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
     """Appendix C.5 step 2: before C1, rank 0 writes the pending root and the intermediate groups
     only; array zarr.json files and chunks come in the write step (step 3)."""
-    from zarrckpt import _save
+    from zarrckpt.api import save as _save
 
     seen: dict[str, Any] = {}
 
@@ -633,8 +633,8 @@ def test_spec_placement_example():
 
 
 def test_spec_writer_example():
-    """Appendix C.4's unaligned example and writer rule, against zarrckpt.layout."""
-    from zarrckpt.layout import Layout, Shard
+    """Appendix C.4's unaligned example and writer rule, against zarrckpt.format.layout."""
+    from zarrckpt.format.layout import Layout, Shard
 
     lay = Layout((9, 4), (2, 2), (Shard(0), Shard(0)), key="w")
     assert lay.chunk_shape == (3, 4) and lay.aligned == (False, True)
@@ -677,7 +677,7 @@ def spec_metadata_writer(h: int, shape: tuple, mesh: tuple, placements: tuple, g
 )
 def test_spec_metadata_writer_without_chunks(shape, mesh, placements):
     """Appendix C.4: arrays with a zero-length dimension (no chunks) and 0-d arrays."""
-    from zarrckpt.layout import Layout, Replicate, Shard
+    from zarrckpt.format.layout import Layout, Replicate, Shard
 
     for key in ("a", "opt/x", "model/layer.weight", "%2Eh"):
         parsed = [Replicate() if p == "R" else Shard(int(p[1:])) for p in placements]
@@ -697,9 +697,9 @@ def test_spec_metadata_writer_without_chunks(shape, mesh, placements):
     ],
 )
 def test_spec_writer_rule(shape, mesh, placements, split_min, chunk):
-    """Appendix C.1 chunk grid with replica split and C.4 writer choice, against zarrckpt.layout:
+    """Appendix C.1 chunk grid with replica split and C.4 writer choice, against zarrckpt.format.layout:
     every chunk written exactly once, by the replica the spec names."""
-    from zarrckpt.layout import Layout, Replicate, Shard
+    from zarrckpt.format.layout import Layout, Replicate, Shard
 
     parsed = [Replicate() if p == "R" else Shard(int(p[1:])) for p in placements]
     lay = Layout(shape, mesh, parsed, key="opt/x", replica_split_min_elems=split_min)

@@ -1,4 +1,4 @@
-"""zarrckpt.tree: key escaping, flatten, the stored tree document, tree_keys, set_at."""
+"""zarrckpt.format.tree: key escaping, flatten, the stored tree document, tree_keys, set_at."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zarrckpt.errors import FormatError, UnsupportedValueError
-from zarrckpt.tree import (
+from zarrckpt.format.tree import (
     decode_tree,
     encode_tree,
     escape,

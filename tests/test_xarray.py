@@ -14,7 +14,7 @@ import tensorstore as ts
 import torch
 
 import zarrckpt
-from zarrckpt import dtypes
+from zarrckpt.format import dtypes
 from test_lazy import run_blocked
 
 xr = pytest.importorskip("xarray")

@@ -45,14 +45,14 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
-from ._commit import clean_leftovers
+from .engine.commit import clean_leftovers
 from ._optional import MissingDependencyError
-from .manager import CheckpointManager
-from .reader import Checkpoint, CheckpointView, LazyArray
+from .api.manager import CheckpointManager
+from .readers.checkpoint import Checkpoint, CheckpointView, LazyArray
 from .storage import StorageOptions
-from .reader import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
+from .readers.checkpoint import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "Checkpoint",
@@ -134,7 +134,7 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     there stays loadable until then. If any rank fails, every rank raises an error of
     the same class naming the failing ranks, and ``path`` is left as it was.
     """
-    from ._save import SaveOptions, SaveRun, run_save
+    from .api.save import SaveOptions, SaveRun, run_save
 
     return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options),
                             metadata))
@@ -157,7 +157,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
     is in flight per process: a second call (from any thread) first waits until the
     previous one has finished. Call :func:`wait_for_saves` before exiting.
     """
-    from ._async import async_save as _async_save
+    from .api.async_save import async_save as _async_save
 
     return _async_save(state_dict, path, process_group=process_group, overwrite=overwrite,
                        metadata=metadata, overlap=overlap, **options)
@@ -197,7 +197,7 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     ``max_inflight_bytes``: bytes being read at once.
     ``storage``: a :class:`StorageOptions` (object-store endpoint, credentials, retries ...).
     """
-    from ._load import load as _load
+    from .api.load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
@@ -209,7 +209,7 @@ def wait_for_saves(timeout: float | None = None) -> list:
     """Wait until every ``async_save`` of this process has committed or failed; returns
     their ``SaveFuture``s. zarrckpt also waits (with a warning) before
     ``torch.distributed.destroy_process_group()`` and at interpreter exit."""
-    from ._async import wait_for_saves as _wait
+    from .api.async_save import wait_for_saves as _wait
 
     return _wait(timeout)
 
@@ -217,14 +217,14 @@ def wait_for_saves(timeout: float | None = None) -> list:
 def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
     """Allocate async-save staging memory now (page-locking costs ~0.6 s per GiB), so the
     first ``async_save`` blocks no longer than later ones. Returns its size in bytes."""
-    from .staging import reserve_staging as _reserve
+    from .distributed.staging import reserve_staging as _reserve
 
     return _reserve(state_dict_or_nbytes)
 
 
 def release_staging() -> None:
     """Free the async-save staging memory (after waiting for saves in flight)."""
-    from .staging import release_staging as _release
+    from .distributed.staging import release_staging as _release
 
     _release()
 
@@ -237,7 +237,7 @@ def load_state_dict(path: Any, keys: list[str] | None = None, *,
     a key that is neither raises ``MissingKeysError`` naming the nearest keys.
     Arrays are read concurrently (``max_inflight_bytes`` at once). A checkpoint replaced
     while it is read raises ``CheckpointChangedError``."""
-    from ._load import load_state_dict as _lsd
+    from .api.load import load_state_dict as _lsd
 
     return _lsd(path, keys, storage=storage, max_inflight_bytes=max_inflight_bytes)
 

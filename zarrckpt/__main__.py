@@ -1,7 +1,7 @@
-"""``python -m zarrckpt``: the ``zarrckpt`` command (:mod:`zarrckpt.cli`)."""
+"""``python -m zarrckpt``: the ``zarrckpt`` command (:mod:`zarrckpt.tools.cli`)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -52,12 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import _commit
-from .. import dtypes, engine
+from ..engine import commit as _commit
+from ..format import dtypes
+from ..engine import save as engine
 from .. import errors as zerrors
-from .. import format as fmt
-from .. import tree as ztree
-from .._io import InFlight
+from ..format import documents as fmt
+from ..format import tree as ztree
+from ..storage.inflight import InFlight
 from .._optional import require
 from ..errors import (
     DTypeMismatchError,
@@ -68,9 +69,9 @@ from ..errors import (
     UnsupportedPlacementError,
     UnsupportedValueError,
 )
-from ..layout import Layout, Replicate, Shard
-from ..layout import slices as _slices
-from ..reader import Checkpoint, CheckpointView
+from ..format.layout import Layout, Replicate, Shard
+from ..format.layout import slices as _slices
+from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..storage import Array, Storage, StorageOptions
 
 jax = require("jax", "zarrckpt.jax")

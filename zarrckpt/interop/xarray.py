@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import format as fmt
+from ..format import documents as fmt
 from .._optional import require
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, ShapeMismatchError
-from ..reader import Checkpoint, CheckpointView
+from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..storage import Storage, StorageOptions
 
 try:  # the backend class needs xarray; the functions say what to install when it is missing
@@ -76,7 +76,7 @@ def _variable_attrs(info: fmt.ArrayInfo, key: str) -> dict[str, Any]:
     attrs: dict[str, Any] = {"zarrckpt_key": key, "kind": info.kind, "data_type": info.dtype.zarr,
                              "chunks": list(info.chunk_shape)}
     if info.placements is not None:
-        from .._lazy import placement_str
+        from ..readers.lazy import placement_str
 
         attrs["mesh_shape"] = list(info.mesh_shape or ())
         attrs["placements"] = [placement_str(p) for p in info.placements]

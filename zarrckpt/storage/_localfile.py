@@ -36,7 +36,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from .. import dtypes
+from ..format import dtypes
 from ..errors import CorruptChunkError
 
 __all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters"]

@@ -1,0 +1,174 @@
+"""``async_save``: block training only for the device->host copy.
+
+Foreground (caller's thread, caller's process group): plan, C0, prepare, C1,
+boundary exchange, staging into the process's reused arena, C1b (staging
+succeeded everywhere). Then a background thread writes the chunks and runs
+C2/C3 and the commit over a *separate* gloo group (one per set of ranks, made
+by those ranks only, with the caller's timeout), so no collective of the save
+ever interleaves with the training loop's collectives on its own group.
+
+One save is in flight per process: ``async_save`` first waits for the previous
+one to commit (its staging buffer is about to be reused), and concurrent calls
+from several threads are serialized. Saves in flight are waited for (with a
+warning) before ``torch.distributed.destroy_process_group`` and at interpreter
+exit; :func:`wait_for_saves` waits explicitly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+from ..distributed import group as zdist
+from .save import SaveOptions, SaveRun, plan_and_prepare
+from ..errors import SaveFailedError
+from ..distributed.staging import shared_arena
+
+log = logging.getLogger("zarrckpt")
+
+__all__ = ["SaveFuture", "async_save", "wait_for_saves"]
+
+_foreground = threading.Lock()  # one async_save call at a time in this process
+_state_lock = threading.Lock()
+_inflight: list[SaveFuture] = []
+
+
+class SaveFuture:
+    """The handle ``async_save`` returns.
+
+    ``staged_seconds``: how long the caller was blocked (set before return).
+    ``wait_staged(stream=None)``: CUDA state is copied to host on a side stream after
+    ``async_save`` returns; this waits for those copies (on the CPU, or, given a CUDA
+    stream, on that stream without blocking the CPU). Until then the state must not be
+    changed; by default the current stream already waits for them.
+    ``staged()``: are the copies done?
+    ``done()`` / ``result(timeout)``: the commit; ``result`` returns the report or raises
+    the save's error (every rank raises the same class, naming the failing ranks).
+    """
+
+    def __init__(self, run: SaveRun, staged_seconds: float) -> None:
+        self.run = run
+        self.path = run.url
+        self.staged_seconds = staged_seconds
+        self.committed_at: float | None = None
+        self._future: cf.Future = cf.Future()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait_staged(self, stream: Any = None) -> None:
+        ev = self.run.staged_event
+        if ev is None:
+            return
+        if stream is not None:
+            stream.wait_event(ev)
+        else:
+            ev.synchronize()
+
+    def staged(self) -> bool:
+        ev = self.run.staged_event
+        return ev is None or ev.query()
+
+    def result(self, timeout: float | None = None) -> dict:
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.done() and not self.exception() else (
+            "failed" if self.done() else "writing")
+        return f"<zarrckpt.SaveFuture {self.path!r} {state}, blocked {self.staged_seconds:.3f}s>"
+
+
+def _background(fut: SaveFuture, side: zdist.Group) -> None:
+    run = fut.run
+    try:
+        try:
+            if run.staged_event is not None:
+                run.staged_event.synchronize()
+            run.finish(run.write(streaming=False), side)
+        except BaseException:
+            run.abandon()
+            raise
+        fut.committed_at = time.time()
+        report = run.report()
+        report["seconds"]["blocked"] = fut.staged_seconds
+        log.info("zarrckpt async save %s: %s", report["path"], report)
+        fut._future.set_result(report)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+        log.error("zarrckpt async save to %s failed: %s", run.url, e)
+        fut._future.set_exception(e)
+    finally:
+        with _state_lock:
+            if fut in _inflight:
+                _inflight.remove(fut)
+
+
+def wait_for_saves(timeout: float | None = None) -> list[SaveFuture]:
+    """Wait until every async save of this process has committed or failed; returns
+    their futures (check ``exception()``). Call it before tearing down the process
+    group or exiting, or rely on the automatic wait (which warns)."""
+    with _state_lock:
+        futures = list(_inflight)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for f in futures:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        cf.wait([f._future], timeout=left)
+    return futures
+
+
+def _wait_before(event: str) -> None:
+    with _state_lock:
+        pending = [f for f in _inflight if not f.done()]
+    if not pending:
+        return
+    msg = (f"zarrckpt: {event} while {len(pending)} async save(s) are in flight "
+           f"({', '.join(f.path for f in pending)}); waiting for them to commit. Call "
+           "zarrckpt.wait_for_saves() (or SaveFuture.result()) first to silence this.")
+    # a warning only: logging's last-resort handler would print the same line a second time
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    wait_for_saves()
+
+
+def _hooks() -> None:
+    zdist.on_destroy_process_group(lambda: _wait_before("destroy_process_group() was called"))
+    global _exit_hooked
+    if not _exit_hooked:
+        _exit_hooked = True
+        # runs before the interpreter joins non-daemon threads and before atexit handlers
+        threading._register_atexit(lambda: _wait_before("the interpreter is exiting"))
+
+
+_exit_hooked = False
+
+
+def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
+               metadata: dict | None = None, overlap: bool = False, **options: Any) -> SaveFuture:
+    t0 = time.perf_counter()
+    with _foreground:
+        with _state_lock:
+            previous = list(_inflight)
+        for f in previous:  # its staging buffer is about to be reused
+            cf.wait([f._future])
+        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata)
+        _hooks()
+        run.enter("async_save")  # before the side group, whose creation needs every rank
+        side = run.g.side_group()
+        plan_and_prepare(run)
+        try:
+            error = run.stage(shared_arena(), overlap=overlap)
+            run.g.agree(error, f"staging the save to {run.url!r}", SaveFailedError)
+        except BaseException:
+            run.abandon()
+            raise
+        fut = SaveFuture(run, time.perf_counter() - t0)
+        with _state_lock:
+            _inflight.append(fut)
+        threading.Thread(target=_background, args=(fut, side), name="zarrckpt-async-save",
+                         daemon=False).start()
+    return fut

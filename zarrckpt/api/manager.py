@@ -1,0 +1,411 @@
+"""``CheckpointManager``: one checkpoint per step under a root directory or URL.
+
+::
+
+    with zarrckpt.CheckpointManager("ckpt/run1", keep_last=3, keep_every=1000,
+                                    async_save=True) as mgr:
+        start = mgr.restore(state) or 0          # the latest committed step, if any
+        mgr.install_preemption_handler()         # SIGTERM -> mgr.preempted
+        for step in range(start + 1, steps + 1):
+            train_step(...)
+            stop = mgr.reached_preemption(step)  # every rank agrees (one all-reduce)
+            if step % 100 == 0 or stop:
+                mgr.save(step, state, metrics={"loss": loss})
+            if stop:
+                break                            # close() waits for the save in flight
+
+Layout: ``<root>/step_<N>/`` is a plain zarrckpt checkpoint (``N`` zero-padded to 8
+digits, so names sort by step); its root ``zarr.json`` records ``{"step": N, "metrics":
+{...}}`` as its ``metadata``. Nothing else is stored: the committed checkpoints under
+the root are the manager's whole state, so a job that restarts (on any world size)
+finds them again and a checkpoint copied elsewhere stays self-describing.
+
+Retention (rank 0): a committed step is kept if it is one of the last ``keep_last``, a
+multiple of ``keep_every``, one of the ``keep_best`` best by ``best_metric``
+(``best_mode`` ``"min"`` or ``"max"``), or the latest; every other committed step is
+deleted (un-committed first, spec §7.6), never a step being written. It runs
+
+* after each commit: synchronous saves run it before ``save`` returns; async saves run
+  it in a background thread of rank 0 as soon as the save commits (no collectives);
+* at a manager's first ``save``, before it starts, on what is on storage (a job killed
+  after its saves leaves no more than the bound below to the next one);
+* and each ``save`` first waits for the previous commit's retention to finish.
+
+So at any moment the committed steps that no ``keep_every``/``keep_best`` rule keeps
+number at most ``keep_last + 1`` (the last ``keep_last`` and one just committed whose
+retention has not run yet), whether the job runs on or is killed after every save.
+
+Leftovers of saves that died (hidden directories, pending claims, lock files; spec
+§7.5) are removed on file systems in the background when the manager is constructed
+and with every retention, only once their writer is known to be gone (its lock is
+free): a live save of another job under the same root is never touched. On object
+stores retention deletes interrupted (pending) steps this manager is not writing: a
+root there must be written by one job at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import re
+import signal
+import threading
+from typing import Any
+
+from ..engine import commit as _commit
+from ..errors import CheckpointExistsError, FormatError, StorageError, ZarrckptError
+from ..storage import Storage
+
+log = logging.getLogger("zarrckpt")
+
+__all__ = ["CheckpointManager"]
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+class CheckpointManager:
+    """Save, retain, find and restore per-step checkpoints; see the module docstring.
+
+    Every rank of ``process_group`` creates the manager and calls ``save``/``restore``
+    (SPMD). ``save_options`` are passed to every save (``compression``, ``pack_bytes``...);
+    ``storage=StorageOptions(...)`` among them also reaches every restore (unless it passes
+    its own), retention and cleaning.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: int | None = None,
+                 best_metric: str = "loss", best_mode: str = "min", process_group: Any = None,
+                 async_save: bool = False, **save_options: Any) -> None:
+        for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {v!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        from .._optional import require
+
+        require("torch", "CheckpointManager")
+        from .save import SaveOptions
+
+        SaveOptions.from_kwargs(save_options)  # unknown options fail here, not at the first save
+        self.root = os.fspath(root)
+        self.storage = Storage(self.root, save_options.get("storage"))
+        self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.process_group = process_group
+        self.async_save = async_save
+        self.save_options = save_options
+        self.preempted = False
+        self._futures: list[tuple[int, Any]] = []  # (step, SaveFuture) of async saves
+        self._previous_handlers: dict[int, Any] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        self._writing: set[int] = set()  # steps whose save has not ended yet
+        self._retained = False  # retention ran at least once (the first save runs it first)
+        self._background: cf.ThreadPoolExecutor | None = None  # rank 0: retention, cleaning
+        self._tasks: list[cf.Future] = []
+        self._handoffs: list[threading.Event] = []  # one per async save: retention queued
+        if self.storage.can_rename and self._rank0():
+            self._in_background(self._clean_leftovers)
+
+    # ---- paths and steps ------------------------------------------------------
+
+    def step_path(self, step: int) -> str:
+        return f"{self.root.rstrip('/')}/step_{int(step):08d}"
+
+    def _children(self) -> list[str]:
+        return self.storage.list_children()
+
+    def _root_state(self, name: str) -> tuple[str, dict]:
+        """('absent' | 'foreign' | 'pending' | 'committed', zarrckpt attributes). A root that
+        cannot be read (after the storage layer's retries) is an error, never skipped: it
+        may be the latest committed step."""
+        st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
+        try:
+            root = st.read_json("zarr.json")
+        except FormatError:
+            return "foreign", {}
+        except StorageError as e:
+            raise StorageError(f"cannot read the root of {name} under {self.root!r}, so cannot tell "
+                               f"whether it is a committed step (not skipping it): {e}") from e
+        attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
+        if not isinstance(attrs, dict):
+            return ("absent" if root is None else "foreign"), {}
+        return ("committed" if attrs.get("state") == "committed" else "pending"), attrs
+
+    def _scan(self) -> dict[int, tuple[str, dict, str]]:
+        """step -> (state, root attributes, child name) for every step directory."""
+        out = {}
+        for name in self._children():
+            m = _STEP.fullmatch(name)
+            if m:
+                state, attrs = self._root_state(name)
+                out[int(m.group(1))] = (state, attrs, name)
+        return out
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(s for s, (state, _, _) in self._scan().items() if state == "committed")
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict:
+        """The metrics recorded with a committed step ({} if none)."""
+        state, attrs = self._root_state(f"step_{int(step):08d}")
+        if state != "committed":
+            raise ZarrckptError(f"no committed checkpoint for step {step} under {self.root!r}")
+        return dict(((attrs.get("metadata") or {}).get("metrics")) or {})
+
+    # ---- save -----------------------------------------------------------------
+
+    def save(self, step: int, state: dict, *, metrics: dict | None = None,
+             overwrite: bool = False) -> Any:
+        """Save ``state`` as step ``step``. Returns the save's report, or its SaveFuture
+        when the manager saves asynchronously. A step that is already committed (or being
+        written) is an error unless ``overwrite``. ``metrics`` (JSON numbers) are rank 0's,
+        as non-tensor values are; retention's ``keep_best`` ranks steps by them."""
+        import zarrckpt
+
+        if self._closed:
+            raise ZarrckptError("this CheckpointManager is closed")
+        step = int(step)
+        with self._lock:
+            if step in self._writing:
+                raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
+        self._collect()
+        self._before_save()
+        existing, _ = self._root_state(f"step_{step:08d}")
+        if existing == "committed" and not overwrite:
+            raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
+                                        "(pass overwrite=True to replace it)")
+        overwrite = overwrite or existing == "pending"  # an interrupted save of this step
+        meta = {"step": step, "metrics": dict(metrics or {})}
+        kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
+                      metadata=meta)
+        path = self.step_path(step)
+        with self._lock:
+            self._writing.add(step)
+        try:
+            if self.async_save:
+                fut = zarrckpt.async_save(state, path, **kwargs)
+            else:
+                report = zarrckpt.save(state, path, **kwargs)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(step)
+            raise
+        if self.async_save:
+            self._futures.append((step, fut))
+            handed_off = threading.Event()  # set once its retention is queued
+            self._handoffs.append(handed_off)
+            fut._future.add_done_callback(lambda _, s=step, ev=handed_off: self._after_async_save(s, ev))
+            return fut
+        with self._lock:
+            self._writing.discard(step)
+        self._retain()
+        from ..distributed import group as zdist
+
+        zdist.group(self.process_group).all_true(True)  # every rank sees retention done
+        return report
+
+    def _before_save(self) -> None:
+        """Rank 0: wait for the async save in flight and its retention (so that at most one
+        committed step awaits retention); at the first save, apply retention to what is on
+        storage (a killed job's saves)."""
+        if not self._rank0():
+            return
+        self._wait_background()  # async_save would wait for the save in flight anyway
+        if not self._retained:
+            self._retain()
+
+    def _after_async_save(self, step: int, handed_off: threading.Event) -> None:
+        """In the async save's thread, once it committed or failed: retention, in the
+        background (rank 0; no collectives)."""
+        try:
+            with self._lock:
+                self._writing.discard(step)
+            if self._rank0():
+                self._in_background(self._retain)
+        finally:
+            handed_off.set()
+
+    def _collect(self) -> None:
+        """Forget async saves that finished, logging those that failed."""
+        done = [(s, f) for s, f in self._futures if f.done()]
+        self._futures = [(s, f) for s, f in self._futures if not f.done()]
+        for s, f in done:
+            if f.exception() is not None:
+                log.error("zarrckpt: async save of step %d failed: %s", s, f.exception())
+
+    def _rank0(self) -> bool:
+        from ..distributed import group as zdist
+
+        return zdist.group(self.process_group).rank == 0
+
+    def _in_background(self, fn: Any) -> None:
+        with self._lock:
+            if self._background is None:
+                self._background = cf.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-retention")
+            self._tasks.append(self._background.submit(self._logged, fn))
+
+    @staticmethod
+    def _logged(fn: Any) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - background: nobody to raise to
+            log.error("zarrckpt: %s failed: %s", fn.__name__.strip("_"), e)
+
+    def _wait_background(self) -> None:
+        """Wait until every async save ended and the retention it queued has run."""
+        for ev in list(self._handoffs):
+            ev.wait()
+        self._handoffs = [ev for ev in self._handoffs if not ev.is_set()]
+        with self._lock:
+            tasks, self._tasks = self._tasks, []
+        cf.wait(tasks)
+
+    def _retain(self) -> None:
+        """Rank 0: retire what retention does not keep; remove dead saves' leftovers."""
+        if not self._rank0():
+            return
+        self._retained = True
+        with self._lock:
+            writing = set(self._writing)
+        try:
+            scan = self._scan()
+        except ZarrckptError as e:  # an unreadable root: deleting on a partial view is unsafe
+            log.warning("zarrckpt: retention skipped this time under %s: %s", self.root, e)
+            return
+        committed = sorted(s for s, (state, _, _) in scan.items() if state == "committed")
+        keep = set(self._kept(committed, scan))
+        for s, (state, _, name) in scan.items():
+            if s in writing or s in keep:
+                continue
+            if state == "committed":
+                self._delete(name, retire=True)
+            elif state in ("pending", "absent") and not self.storage.can_rename:
+                # object stores: an interrupted save (or a half-deleted step) of this root's job
+                self._delete(name, retire=False)
+        if self.storage.can_rename:  # file systems: pending claims and hidden directories, if dead
+            try:
+                self._clean_leftovers()
+            except ZarrckptError as e:
+                log.warning("zarrckpt: could not remove leftovers under %s: %s", self.root, e)
+
+    def _clean_leftovers(self) -> None:
+        """Remove what saves that died left under the root (file systems; spec §7.5)."""
+        _commit.clean_leftovers(self.root, options=self.storage.options)
+
+    def _kept(self, committed: list[int], scan: dict) -> list[int]:
+        if not committed:
+            return []
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return committed  # no retention asked for: keep everything
+        keep = {committed[-1]}
+        if self.keep_last:
+            keep.update(committed[-self.keep_last:])
+        if self.keep_every:
+            keep.update(s for s in committed if s % self.keep_every == 0)
+        if self.keep_best:
+            scored = []
+            for s in committed:
+                m = ((scan[s][1].get("metadata") or {}).get("metrics") or {}).get(self.best_metric)
+                if isinstance(m, (int, float)) and not isinstance(m, bool):
+                    scored.append((m if self.best_mode == "min" else -m, s))
+            keep.update(s for _, s in sorted(scored)[: self.keep_best])
+        return sorted(keep)
+
+    def _delete(self, name: str, retire: bool) -> None:
+        st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
+        try:
+            _commit.retire(st) if retire else st.remove()
+            log.info("zarrckpt: retention deleted %s/%s", self.root, name)
+        except ZarrckptError as e:
+            log.warning("zarrckpt: retention could not delete %s/%s: %s", self.root, name, e)
+
+    # ---- restore ----------------------------------------------------------------
+
+    def restore(self, state: dict, step: int | None = None, **load_options: Any) -> int | None:
+        """Load step ``step`` (default: the latest committed one) into ``state`` in place;
+        returns the step, or None when there is no committed checkpoint (``state`` is
+        then untouched)."""
+        import zarrckpt
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                return None
+        load_options.setdefault("storage", self.storage.options)
+        zarrckpt.load(state, self.step_path(step), process_group=self.process_group, **load_options)
+        return int(step)
+
+    # ---- waiting, closing, preemption -----------------------------------------
+
+    def wait(self) -> None:
+        """Wait for async saves in flight and for retention and cleaning in the background;
+        raises the first save's error."""
+        futures = list(self._futures)
+        first = None
+        for _, f in futures:
+            e = f.exception()
+            first = first or e
+        self._collect()
+        self._wait_background()
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._background is not None:
+                self._background.shutdown(wait=True)
+            self.uninstall_preemption_handler()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original error behind a failed save
+            try:
+                self.close()
+            except Exception as e:  # noqa: BLE001
+                log.error("zarrckpt: while closing after an error: %s", e)
+
+    def install_preemption_handler(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        """On these signals (SIGTERM is what schedulers send before they kill a job), set
+        ``self.preempted`` instead of dying; the training loop then saves and exits
+        (:meth:`reached_preemption`). Only from the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("signal handlers can only be installed from the main thread")
+
+        def handler(signum, frame):
+            self.preempted = True
+            log.warning("zarrckpt: received signal %d: will save and stop at the next step", signum)
+
+        for s in signals:
+            self._previous_handlers[s] = signal.signal(s, handler)
+
+    def uninstall_preemption_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, h in self._previous_handlers.items():
+            signal.signal(s, h)
+        self._previous_handlers.clear()
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every rank once any rank was signalled (one small all-reduce), so that
+        all ranks save the same step and stop together."""
+        from ..distributed import group as zdist
+
+        return not zdist.group(self.process_group).all_true(not self.preempted)
+
+    def __repr__(self) -> str:
+        return f"<zarrckpt.CheckpointManager {self.root!r}>"

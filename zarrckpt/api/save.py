@@ -1,0 +1,511 @@
+"""A save, phase by phase (spec §7 describes the commit rule these implement).
+
+Phases and agreement points, in order (``g`` is the process group; C = one
+all-reduce; a failure anywhere before an agreement point is reported there, and
+every rank then raises an error of the same class naming the failing ranks)::
+
+    enter()     every rank has called save (the c10d store, ``entry_timeout``)
+    plan()      resolve Stateful, encode the tree, check every leaf and lay out each
+                array: this rank's chunk writes and boundary sends (local, no I/O)
+    C0 agree()  planning succeeded everywhere; every rank has the same path and
+                storage options; same trees? (yes: small plain leaves are packed;
+                no, e.g. pipeline stages: rank 0 gathers the trees); rank 0's save
+                id and time
+    prepare()   rank 0: check and claim the location, create this save's directory
+                with its pending root and group documents (_commit.begin);
+                every rank: slice boundary pieces and allocate receive buffers
+    C1          directory ready everywhere
+    exchange()  point-to-point boundary pieces (only nested uneven layouts)
+    [async: stage() copies every local shard into the reused arena; C1b]
+    write()     every rank writes its arrays' zarr.json (metadata writer = writer of
+                chunk 0) and the chunks it owns; waits for every write it issued,
+                even after an error; then one syncfs
+    C2          all data durable everywhere
+    commit()    rank 0: committed root, moved into place (_commit.publish)
+    C3          commit durable; every rank returns
+
+After a failure past C1, rank 0 deletes the save's directory (_commit.abandon).
+``async_save`` (``_async.py``) runs everything up to C1b in the caller's thread,
+then write/C2/commit/C3 in a background thread over a separate gloo group.
+
+Claim, C1, the chunk writes, C2, commit, C3 and abandon are the save engine's
+(``engine.py``, shared with ``Writer`` and ``zarrckpt.jax.save``); this module is its
+torch adapter: planning, packing, the boundary exchange and staging, and the records
+(:class:`engine.ArrayWrite`) the engine writes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine import commit as _commit
+from ..distributed import group as zdist
+from ..format import dtypes, documents as fmt, tree as ztree
+from ..engine import save as engine
+from ..planning.plan import ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders, with_save_id
+from ..planning.state import resolve_stateful
+from ..format.layout import slices as _slices
+from ..errors import SaveFailedError, UnsupportedValueError
+from ..distributed.staging import Arena, staged_nbytes, streaming_arena, sync_devices
+from ..storage import Storage, StorageOptions
+
+log = logging.getLogger("zarrckpt")
+
+__all__ = ["SaveOptions", "SaveRun", "run_save", "plan_and_prepare"]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Options of :func:`zarrckpt.save` (keyword ``**options``).
+
+    compression: None (default), ``"zstd"``, ``"gzip"`` or ``{"name": "zstd", "level": 3}``.
+    inner_chunk_bytes: target size of the inner chunks that resharded loads read.
+    replica_split_bytes: a replicated cell at least this big is split into chunks
+        written by different replicas (None: one writer per cell).
+    max_staging_bytes: host memory a sync save of device tensors may use for
+        device->host staging (it streams through a buffer of this size).
+    max_inflight_bytes: bytes of chunk writes in flight at once (TensorStore holds an
+        encoded shard in memory while writing it).
+    pack_bytes: plain (non-DTensor) leaves up to this size are packed into one array
+        per rank instead of one array each (0 disables packing; use 0 for checkpoints
+        meant for generic Zarr readers, which do not see packed leaves).
+    storage: TensorStore settings (concurrency, fsync, object-store retries).
+    entry_timeout: seconds every rank waits at the start of the save for the others to
+        call it too, before it raises a DistributedError naming the ranks that did not
+        (None: ``ZARRCKPT_ENTRY_TIMEOUT`` or 300 s; never more than the group's timeout).
+
+    compression, inner_chunk_bytes, replica_split_bytes and pack_bytes decide what
+    lands on storage: every rank must pass the same values (ranks that disagree are
+    refused before anything is written).
+    """
+
+    compression: str | dict | None = None
+    inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES
+    replica_split_bytes: int | None = 64 << 20
+    max_staging_bytes: int = 1 << 30
+    pack_bytes: int = 64 << 10
+    max_inflight_bytes: int = 256 << 20
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    entry_timeout: float | None = None
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> SaveOptions:
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown save option(s): {', '.join(sorted(unknown))}")
+        opts = cls(**options)
+        fmt.compression_codec(opts.compression)  # validates
+        for name in ("inner_chunk_bytes", "max_staging_bytes", "max_inflight_bytes"):
+            if not isinstance(getattr(opts, name), int) or getattr(opts, name) <= 0:
+                raise ValueError(f"{name} must be a positive int, not {getattr(opts, name)!r}")
+        if not isinstance(opts.pack_bytes, int) or opts.pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be an int >= 0, not {opts.pack_bytes!r}")
+        if opts.entry_timeout is not None and not (
+                isinstance(opts.entry_timeout, (int, float)) and opts.entry_timeout > 0):
+            raise ValueError(f"entry_timeout must be a number of seconds > 0, not {opts.entry_timeout!r}")
+        return opts
+
+    @property
+    def plan(self) -> PlanOptions:
+        return PlanOptions(self.compression, self.inner_chunk_bytes, self.replica_split_bytes,
+                           self.pack_bytes)
+
+
+class SaveRun:
+    """The execution state of one save on one rank. The plan itself is ``arrays``
+    (frozen :class:`ArrayPlan` records); this object holds what executing it needs."""
+
+    def __init__(self, state_dict: dict, path: Any, process_group: Any, overwrite: bool,
+                 options: SaveOptions, metadata: dict | None = None) -> None:
+        if not isinstance(state_dict, dict):
+            raise UnsupportedValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if metadata is not None:
+            try:
+                if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+                    raise TypeError("not a dict with str keys")
+                json.dumps(metadata, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedValueError(f"metadata must be a JSON object (finite numbers, str "
+                                            f"keys): {e}") from None
+        self.metadata = metadata
+        self.g = zdist.group(process_group)
+        self.path = path
+        self.url = str(path)
+        self.overwrite = overwrite
+        self.options = options
+        self.state = state_dict
+        self.location: Storage | None = None  # where the checkpoint is committed
+        self.store: Storage | None = None  # where this save writes (its own directory)
+        self.target: _commit.Target | None = None  # rank 0 only
+        self.save_id = fmt.new_save_id()  # rank 0's value reaches every rank at C0
+        self.created_us = int(time.time() * 1e6)
+        self.created = ""
+        self.tree: dict = {}
+        self.arrays: list[ArrayPlan] = []
+        self.all_docs: dict[str, dict] = {}  # every array's zarr.json (rank 0: of all ranks)
+        self.gathered: list | None = None  # rank 0, slow path: every rank's (tree, docs)
+        self.sends: list[tuple[int, torch.Tensor]] = []
+        self.recvs: list[tuple[int, torch.Tensor]] = []
+        self.fills: list[tuple[np.ndarray, torch.Tensor]] = []
+        self.assembled: dict[str, dict[tuple[int, ...], np.ndarray]] = {}  # chunks built by exchange
+        self.staged: dict[str, np.ndarray] = {}  # async: host copies of local data
+        self.staged_event: Any = None  # async, CUDA: recorded when the side-stream copies end
+        self.timings: dict[str, float] = {}
+        self.bytes_written = 0
+        self.bytes_staged = 0
+
+    def _timed(self, name: str, t0: float) -> None:
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+    # ---- entry ------------------------------------------------------------------
+
+    def enter(self, what: str) -> None:
+        """Before anything else: every rank of the group has called ``what`` (a rank that
+        did not is named within ``entry_timeout``, instead of a hang until the group's
+        timeout); without a group, warn when the environment says there are several."""
+        if not self.g.active:
+            zdist.warn_if_world_without_group(what)
+        self.g.enter(what, self.options.entry_timeout)
+
+    # ---- plan and C0 ----------------------------------------------------------
+
+    def plan(self) -> BaseException | None:
+        """Local planning; returns the error (reported to every rank at C0)."""
+        t0 = time.perf_counter()
+        try:
+            self.location = Storage(self.path, self.options.storage)
+            self.url = self.location.url
+            self.tree, self.arrays = plan_state(resolve_stateful(self.state), self.g, self.options.plan)
+        except BaseException as e:  # noqa: BLE001 - C0 tells everyone
+            self.tree, self.arrays = {}, []
+            return e
+        finally:
+            self._timed("plan", t0)
+        return None
+
+    def _must_agree(self) -> bytes:
+        where = None  # where the checkpoint goes (not how each rank authenticates)
+        if self.location is not None:
+            where = {k: v for k, v in self.location.spec.items() if k not in ("aws_credentials", "aws_region")}
+        # metadata is not here: like non-tensor values it is rank 0's (ranks' metrics differ)
+        return json.dumps([where, self.overwrite, asdict(self.options.plan)], sort_keys=True,
+                          default=str).encode()
+
+    def agree(self, error: BaseException | None) -> None:
+        """C0: planning succeeded everywhere, ranks agree on path and options; merge trees
+        if ranks hold different keys; take rank 0's save id and time."""
+        t0 = time.perf_counter()
+        payload = b"" if error else json.dumps(
+            [self.tree, {p.key: p.metadata for p in self.arrays}], sort_keys=True).encode()
+        must = self._must_agree()
+        ids = [int(self.save_id[:15], 16), int(self.save_id[15:30], 16), self.created_us]
+        ok, (same, agreed), ids = self.g.check(error is None, [payload, must], ids)
+        if not ok:
+            self.g.agree(error, f"planning the save to {self.url!r}", SaveFailedError)
+        if not agreed:
+            views = self.g.all_gather(must.decode())
+            raise SaveFailedError(
+                "ranks disagree on the path or on options that decide what is stored (every rank "
+                "must pass the same path, overwrite, compression, inner_chunk_bytes, "
+                "replica_split_bytes and pack_bytes): "
+                + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
+        self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
+        self.created = fmt.utc_from_us(ids[2])
+        self.arrays = [with_save_id(p, self.save_id) for p in self.arrays]
+        if same and self.options.pack_bytes > 0:
+            self.arrays, nodes = assign_packs(self.arrays, self.g, self.options.plan, self.save_id)
+            self.tree = fmt.with_packed_nodes(self.tree, nodes)
+        if not same:
+            # Slow path (e.g. pipeline stages hold different keys): plain arrays are
+            # written by the ranks that hold them; rank 0 merges the trees in prepare().
+            held = self.g.all_gather(sorted(p.key for p in self.arrays if p.kind in ("tensor", "ndarray",
+                                                                                     "bytes", "bytesio")))
+            self.arrays = [
+                restrict_to_holders(p, [r for r, keys in enumerate(held) if p.key in keys], self.g,
+                                    self.options.plan)
+                if p.kind in ("tensor", "ndarray", "bytes", "bytesio") else p
+                for p in self.arrays]
+        self.all_docs = {p.key: p.metadata for p in self.arrays}
+        if not same:
+            self.gathered = self.g.gather_to_root((self.tree, self.all_docs))
+        self.store = _commit.save_store(self.location, self.save_id)
+        self._timed("plan", t0)
+
+    # ---- prepare and C1 -------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Every rank prepares its boundary exchange; rank 0 claims the location and
+        creates the save's directory (engine.begin). C1."""
+        t0 = time.perf_counter()
+        error = None
+        pending, groups = None, []
+        try:
+            if self.g.rank == 0:
+                if self.gathered is not None:
+                    self.tree = _merge_trees([t for t, _ in self.gathered])
+                    for _, docs in reversed(self.gathered):
+                        self.all_docs.update(docs)
+                pending, groups = self._root("pending"), fmt.group_paths(self.all_docs)
+            self._plan_exchange()
+        except BaseException as e:  # noqa: BLE001 - reported to every rank at C1
+            error = e
+        self.target = engine.begin(self.g, self.location, self.save_id, self.overwrite, pending, groups,
+                                   error=error)
+        self._timed("prepare", t0)
+
+    def _root(self, state: str) -> dict:
+        return fmt.root_metadata(
+            state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
+            writer=fmt.writer_versions(), tree=self.tree if state == "committed" else None,
+            array_docs=self.all_docs if state == "committed" else None,
+            **({"metadata": self.metadata} if self.metadata is not None else {}),
+        )
+
+    def _plan_exchange(self) -> None:
+        """Slice the pieces this rank sends and allocate what it receives (no collective)."""
+        for p in self.arrays:
+            if p.coord is None:
+                continue
+            for s in p.sends:
+                local = p.layout.to_local(p.coord, s.box)
+                self.sends.append((p.rank_of(s.dst), p.source[_slices(local)].contiguous()))
+            for w in p.writes:
+                if len(w.sources) == 1 and w.sources[0][0] == p.coord:
+                    continue  # the common case: a chunk inside this rank's own shard
+                buf = np.empty([b - a for a, b in w.box], dtype=p.dtype.numpy)
+                for src, box in w.sources:
+                    view = buf[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, w.box))]
+                    if src == p.coord:
+                        piece = p.source[_slices(p.layout.to_local(p.coord, box))]
+                        view[...] = dtypes.to_numpy(piece.cpu().contiguous())
+                    else:
+                        tmp = torch.empty(view.shape, dtype=dtypes.torch_dtype(p.dtype),
+                                          device=p.source.device)
+                        self.recvs.append((p.rank_of(src), tmp))
+                        self.fills.append((view, tmp))
+                self.assembled.setdefault(p.key, {})[w.index] = buf
+
+    # ---- exchange, stage -------------------------------------------------------
+
+    def exchange(self) -> None:
+        """Build chunks that straddle shards (nested uneven layouts only)."""
+        t0 = time.perf_counter()
+        if self.sends or self.recvs:
+            self.g.exchange(_as_bytes(self.sends), _as_bytes(self.recvs))
+        for view, tmp in self.fills:
+            view[...] = dtypes.to_numpy(tmp.cpu())
+        self.sends, self.recvs, self.fills = [], [], []
+        self._timed("exchange", t0)
+
+    def stage(self, arena: Arena, *, overlap: bool = False) -> BaseException | None:
+        """Async saves: copy every local shard this rank writes (and its packs) into the
+        reused arena. Host data is copied before this returns. CUDA data is copied on a
+        side stream, after the work already queued on the current stream, and this
+        returns without waiting: the current stream is made to wait for the copies
+        (``overlap=False``), so later work on it cannot change the state too early; with
+        ``overlap=True`` nothing waits, and the caller must call ``wait_staged`` before it
+        changes the state. ``self.staged_event`` marks the end of the copies."""
+        t0 = time.perf_counter()
+        try:
+            todo = [p for p in self.arrays if self._needs_data(p)]
+            tensors = [p.source for p in todo if isinstance(p.source, torch.Tensor)]
+            self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
+            arena.reserve(self.bytes_staged)
+            cuda = [t for t in tensors if t.device.type == "cuda"]
+            side = None
+            if cuda and arena.pinned:
+                device = cuda[0].device
+                side = _copy_stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                for p in todo:
+                    if isinstance(p.source, torch.Tensor):
+                        _, self.staged[p.key] = arena.stage(p.source)
+                    else:
+                        self.staged[p.key] = np.array(p.source, copy=True)
+            if side is not None:
+                for t in cuda:
+                    t.record_stream(side)  # the caching allocator keeps their memory until then
+                self.staged_event = torch.cuda.Event()
+                self.staged_event.record(side)
+                if not overlap:
+                    torch.cuda.current_stream(cuda[0].device).wait_event(self.staged_event)
+            else:
+                sync_devices(tensors)
+            for p in self.arrays:
+                if p.kind == "pack" and p.members:
+                    self.staged[p.key] = pack_bytes(p)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
+            return e
+        finally:
+            self._timed("stage", t0)
+        return None
+
+    def _needs_data(self, p: ArrayPlan) -> bool:
+        """Does this rank write a chunk of ``p`` straight from its own local data?"""
+        built = self.assembled.get(p.key, {})
+        return p.source is not None and any(w.index not in built for w in p.writes)
+
+    # ---- write and C2 -----------------------------------------------------------
+
+    def write(self, *, streaming: bool) -> BaseException | None:
+        """Write every chunk this rank owns and make it durable (engine.write_arrays).
+        ``streaming`` (sync saves): host data is written straight from the caller's
+        tensors, device data through a bounded arena. Returns the error (reported to all
+        ranks at C2); every write issued has completed (or failed) when this returns."""
+        t0 = time.perf_counter()
+        error = None
+        try:
+            with self._arena(streaming) as arena:
+                documents = {p.key: p.metadata for p in self.arrays
+                             if p.coord is not None and p.layout.metadata_writer() == p.coord}
+                arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
+                self.bytes_written += engine.write_arrays(self.store, documents, arrays,
+                                                          self.options.max_inflight_bytes)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank
+            error = e
+        finally:
+            self.assembled.clear()
+            self.staged.clear()
+        self._timed("write", t0)
+        return error
+
+    def _arena(self, streaming: bool) -> Any:
+        """Sync saves of device data: the process's streaming arena (reused by every save
+        and load), as big as that data or ``max_staging_bytes``."""
+        device = [p.source for p in self.arrays if p.writes and self._needs_data(p) and not p.on_host]
+        if not (streaming and device):
+            return contextlib.nullcontext()
+        return streaming_arena(min(self.options.max_staging_bytes, sum(map(staged_nbytes, device))))
+
+    def _array_write(self, p: ArrayPlan, arena: Arena | None) -> engine.ArrayWrite:
+        """The engine's record of ``p``: chunks built by the exchange as they are, the
+        others as regions of this rank's local data."""
+        built = self.assembled.get(p.key, {})
+        chunks = tuple(engine.ChunkWrite(w.index, w.box, data=built[w.index]) if w.index in built
+                       else engine.ChunkWrite(w.index, w.box, local=p.layout.to_local(p.coord, w.box))
+                       for w in p.writes)
+        return engine.ArrayWrite(p.key, p.metadata, chunks, functools.partial(self._host, p, arena))
+
+    def _host(self, p: ArrayPlan, arena: Arena | None, out: engine.ChunkWriter) -> np.ndarray:
+        """This rank's data of ``p`` on the host: staged (async), the pack's bytes, a view
+        of host memory, or device data copied through the arena."""
+        host = self.staged.get(p.key)
+        if host is not None:
+            return host
+        if p.kind == "pack":
+            return pack_bytes(p)
+        return p.host_view() if p.on_host else self._stream_stage(p, arena, out)
+
+    def _stream_stage(self, p: ArrayPlan, arena: Arena, out: engine.ChunkWriter) -> np.ndarray:
+        """Device data through a bounded arena: when full, wait for the writes using it."""
+        t0 = time.perf_counter()
+        need = staged_nbytes(p.source)
+        if need > arena.capacity:  # one tensor bigger than the bound: a buffer of its own
+            host = dtypes.to_numpy(p.source.cpu())
+        else:
+            if not arena.fits(need):
+                out.wait()
+                arena.reset()
+            _, host = arena.stage(p.source)
+            sync_devices([p.source])
+        self._timed("stage", t0)
+        return host
+
+    # ---- C2, commit, C3 ---------------------------------------------------------
+
+    def finish(self, error: BaseException | None, g: zdist.Group) -> None:
+        """C2 (all data durable), the commit, C3; over group ``g`` (engine.finish)."""
+        t0 = time.perf_counter()
+        engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"))
+        self._timed("commit", t0)
+
+    def abandon(self) -> None:
+        """After a failure that every rank has seen: rank 0 removes this save's directory."""
+        engine.abandon(self.g, self.target)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "path": self.url,
+            "rank": self.g.rank,
+            "save_id": self.save_id,
+            "arrays": len(self.arrays),
+            "bytes_written": self.bytes_written,
+            "bytes_staged": self.bytes_staged,
+            "seconds": {**self.timings, "total": sum(self.timings.values())},
+        }
+
+
+def _as_bytes(pairs):
+    """Exchange raw bytes so every dtype (bool, fp8 ...) travels through every backend."""
+    return [(peer, t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8))
+            for peer, t in pairs]
+
+
+_copy_streams: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per device for async staging copies."""
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _merge_trees(trees: list[dict]) -> dict:
+    """Union of dict nodes; for a leaf present on several ranks the lowest rank wins."""
+    base = json.loads(json.dumps(trees[0]))
+    for t in trees[1:]:
+        _merge_into(base, t)
+    return base
+
+
+def _merge_into(a: dict, b: dict) -> None:
+    if "dict" in a and "dict" in b:
+        index = {ztree.escape(pair[0]): pair for pair in a["dict"]}
+        for k, node in b["dict"]:
+            mine = index.get(ztree.escape(k))
+            if mine is None:
+                a["dict"].append([k, node])
+                index[ztree.escape(k)] = a["dict"][-1]
+            elif mine[0] != k or type(mine[0]) is not type(k):
+                raise UnsupportedValueError(
+                    f"ranks disagree on a key: {mine[0]!r} on one rank and {k!r} on another "
+                    f"map to the same stored name {ztree.escape(k)!r}")
+            else:
+                _merge_into(mine[1], node)
+
+
+def plan_and_prepare(run: SaveRun) -> None:
+    """The foreground part common to save and async_save: plan, C0, prepare, C1, exchange.
+    After a failure past C1 the save's directory is removed again."""
+    run.agree(run.plan())
+    run.prepare()
+    try:
+        run.exchange()
+    except BaseException:
+        run.abandon()
+        raise
+
+
+def run_save(run: SaveRun) -> dict[str, Any]:
+    run.enter("save")
+    plan_and_prepare(run)
+    try:
+        run.finish(run.write(streaming=True), run.g)
+    except BaseException:
+        run.abandon()
+        raise
+    report = run.report()
+    log.info("zarrckpt save %s: %s", report["path"], report)
+    return report

@@ -1,0 +1,469 @@
+"""The only module that calls ``torch.distributed``.
+
+Every collective zarrckpt issues is one of the named methods of :class:`Group`,
+so the number and order of collectives in a save can be read off ``_save.py`` and the
+save engine (``engine.py``), whose group protocol :class:`Group` implements.
+Without an initialised process group everything degrades to a world of one.
+
+A collective that fails (a peer died, the group timed out) raises
+:class:`~zarrckpt.errors.DistributedError`, never a bare backend ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError, ZarrckptError, by_name
+
+__all__ = ["Group", "group", "is_dtensor", "dtensor_info", "on_destroy_process_group"]
+
+
+def _collective(op: str):
+    """Decorator: a failed collective becomes a DistributedError naming the operation."""
+
+    def wrap(fn):
+        def run(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except ZarrckptError:
+                raise
+            except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, DistBackendError
+                raise DistributedError(
+                    f"collective {op} over {self.size} ranks failed on rank {self.rank}: {e} "
+                    "(a peer process died or the group timed out)"
+                ) from e
+
+        run.__name__ = fn.__name__
+        run.__doc__ = fn.__doc__
+        return run
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group (or the single-process world) as zarrckpt uses it. It implements
+    the save engine's group protocol (``rank``, ``size``, :meth:`agree`, :meth:`broadcast`)."""
+
+    pg: Any
+    rank: int
+    size: int
+
+    @property
+    def active(self) -> bool:
+        return self.pg is not None and self.size > 1
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.pg is None else dist.get_global_rank(self.pg, group_rank)
+
+    def global_ranks(self) -> tuple[int, ...]:
+        return tuple(self.global_rank(r) for r in range(self.size))
+
+    def timeout(self) -> timedelta | None:
+        """The group's collective timeout (gloo/NCCL backends), if torch tells it."""
+        if self.pg is None:
+            return None
+        for device in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                t = self.pg._get_backend(device).options._timeout
+            except Exception:  # noqa: BLE001 - private API, absent on some backends/versions
+                continue
+            if isinstance(t, timedelta):
+                return t
+        return None
+
+    def _device(self) -> torch.device:
+        if self.pg is not None and dist.get_backend(self.pg) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @_collective("all_true")
+    def all_true(self, ok: bool) -> bool:
+        """True iff ``ok`` on every rank (one all-reduce)."""
+        if not self.active:
+            return ok
+        t = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return int(t.item()) == 0
+
+    @_collective("check")
+    def check(self, ok: bool, payloads: Sequence[bytes], root_values: Sequence[int] = ()
+              ) -> tuple[bool, list[bool], list[int]]:
+        """One all-reduce: (``ok`` on every rank, for each payload whether it is the same on
+        every rank, rank 0's ``root_values`` — non-negative ints below 2**62 — everywhere)."""
+        if not self.active:
+            return ok, [True] * len(payloads), list(root_values)
+        hs = [int.from_bytes(hashlib.blake2b(p, digest_size=7).digest(), "little") for p in payloads]
+        mine = list(root_values) if self.rank == 0 else [0] * len(root_values)
+        body = [v for h in hs for v in (h, -h)]
+        t = torch.tensor([0 if ok else 1, *body, *mine], dtype=torch.int64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        vals = [int(v) for v in t.tolist()]
+        same = [vals[1 + 2 * i] == -vals[2 + 2 * i] for i in range(len(hs))]
+        return vals[0] == 0, same, vals[1 + 2 * len(hs):]
+
+    @_collective("gather_object")
+    def gather_to_root(self, obj: Any) -> list[Any] | None:
+        """Objects of all ranks on rank 0 (None elsewhere). Only used on slow paths."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
+        return out
+
+    @_collective("all_gather_object")
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    @_collective("batch_isend_irecv")
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        """Point-to-point sends/receives (global ranks), matched per pair in list order."""
+        if not sends and not recvs:
+            return
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.pg) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=self.pg) for peer, t in recvs]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def broadcast(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` (ints in 0 .. 2**62-1) on every rank (one all-reduce)."""
+        return self.check(True, [], values)[2]
+
+    def agree(self, error: BaseException | None, what: str, error_class: type[ZarrckptError]) -> None:
+        """One all-reduce; if any rank failed, every rank raises an error of one class
+        (the engine's group protocol, :class:`zarrckpt.engine.save.Group`).
+
+        The failing ranks' errors are gathered (a slow path, taken only on failure) so
+        that every message names each failing rank and its error. A rank that failed
+        with a zarrckpt error re-raises it; the others raise the same class (or
+        ``error_class`` when the first failure is not a zarrckpt error). A rank that was
+        interrupted (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``)
+        re-raises that, as itself; the others are told that it was interrupted.
+        """
+        if self.all_true(error is None):
+            return
+        if not self.active:
+            raise error
+        msg = None if error is None else (type(error).__name__, _describe(error))
+        msgs = self.all_gather(msg)
+        bad = {r: m for r, m in enumerate(msgs) if m is not None}
+        first = bad[min(bad)]
+        cls = by_name(first[0]) or error_class
+        text = (f"{what} failed on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {name}: {m}" for r, (name, m) in sorted(bad.items())))
+        if error is not None and not isinstance(error, Exception):
+            raise error
+        if isinstance(error, ZarrckptError) and (len(bad) == 1 or type(error) is cls):
+            raise error
+        raise cls(text) from error
+
+    def enter(self, what: str, timeout: float | None = None) -> None:
+        """The first agreement of a zarrckpt call (``what``: "save", "load" ...): wait until
+        every rank of the group has entered it, for at most ``timeout`` seconds (default:
+        :func:`entry_timeout`; never longer than the group's own timeout).
+
+        Through the process group's c10d store, not a collective, so it works for gloo and
+        NCCL alike and a missing rank costs no broken communicator. One atomic decision per
+        call: the last rank to arrive sets it to "go"; a rank whose wait times out sets it to
+        "fail" and raises :class:`DistributedError` naming the ranks that did not arrive. A
+        rank arriving after that finds "fail" and raises at once (it does not hang), and its
+        next call lines up with the other ranks' next call again."""
+        if not self.active:
+            return
+        limit = entry_timeout() if timeout is None else float(timeout)
+        group_limit = self.timeout()
+        if group_limit is not None:
+            limit = min(limit, group_limit.total_seconds())
+        ranks = self.global_ranks()
+        with _side_lock:
+            seq = _entries[ranks] = _entries.get(ranks, 0) + 1
+        store = _store()
+        base = f"zarrckpt/enter/{'-'.join(map(str, ranks))}/{seq}"
+        try:
+            store.set(f"{base}/rank{self.rank}", what)
+            if store.add(f"{base}/arrived", 1) == self.size:
+                store.compare_set(f"{base}/decision", "", "go")
+            try:
+                store.wait([f"{base}/decision"], timedelta(seconds=limit))
+            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError ...)
+                pass
+            if store.check([f"{base}/decision"]):
+                decision = store.get(f"{base}/decision").decode()
+            else:  # timed out: give up, unless the last rank arrives at this very moment
+                missing = [r for r in range(self.size) if not store.check([f"{base}/rank{r}"])]
+                decision = store.compare_set(f"{base}/decision", "", "fail " + json.dumps(missing)).decode()
+        except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
+            raise DistributedError(f"rank {self.rank} could not reach the process group's store "
+                                   f"when entering zarrckpt {what}: {e}") from e
+        if decision == "go":
+            self._forget_entry(store, ranks, seq - 2)
+            return
+        missing = json.loads(decision.split(" ", 1)[1])  # as the rank that gave up saw it
+        if self.rank in missing:
+            raise DistributedError(
+                f"zarrckpt {what}: rank {self.rank} (global {self.global_rank(self.rank)}) entered "
+                f"the call after the other ranks had given up waiting for it (they raised); every "
+                f"rank of the group must call zarrckpt {what} at the same point")
+        raise DistributedError(
+            f"zarrckpt {what}: rank(s) {missing} (global "
+            f"{[self.global_rank(r) for r in missing]}) did not enter the call within {limit:g} s "
+            f"(every rank of the group of {self.size} must call it; set ZARRCKPT_ENTRY_TIMEOUT "
+            f"for ranks that legitimately arrive later)")
+
+    def _forget_entry(self, store: Any, ranks: tuple[int, ...], seq: int) -> None:
+        """Rank 0 deletes an old entry's keys (every rank has passed it: all arrived later)."""
+        if self.rank != 0 or seq < 1:
+            return
+        base = f"zarrckpt/enter/{'-'.join(map(str, ranks))}/{seq}"
+        for key in ["arrived", "decision", *(f"rank{r}" for r in range(self.size))]:
+            try:
+                store.delete_key(f"{base}/{key}")
+            except Exception:  # noqa: BLE001 - a store without deletes only keeps a few bytes
+                return
+
+    def side_group(self) -> Group:
+        """A group over the same ranks for background work that must not share the
+        caller's group (its collectives would interleave with the training loop's).
+        Created once per set of ranks, by those ranks only, with the caller's timeout."""
+        if not self.active:
+            return self
+        ranks = self.global_ranks()
+        with _side_lock:
+            side = _side_groups.get(ranks)
+            if side is None:
+                kwargs: dict[str, Any] = {"use_local_synchronization": True}
+                if self.timeout() is not None:
+                    kwargs["timeout"] = self.timeout()
+                pg = dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)
+                side = _side_groups[ranks] = Group(pg, self.rank, self.size)
+            return side
+
+
+def _describe(error: BaseException) -> str:
+    """One rank's error as the other ranks read it."""
+    if not isinstance(error, Exception):
+        return f"the process was interrupted ({type(error).__name__}{': ' + str(error) if str(error) else ''})"
+    return str(error)
+
+
+_side_groups: dict[tuple[int, ...], Group] = {}
+_side_lock = threading.Lock()
+_entries: dict[tuple[int, ...], int] = {}  # zarrckpt calls entered, per set of ranks
+
+ENTRY_TIMEOUT_S = 300.0
+
+
+def entry_timeout() -> float:
+    """How long a zarrckpt call waits for every rank to enter it: ``ZARRCKPT_ENTRY_TIMEOUT``
+    (seconds) or 300. Long enough for ranks that arrive late after uneven work (one rank
+    evaluating, a slow data loader), well below the 10-30 minutes a collective would hang."""
+    value = os.environ.get("ZARRCKPT_ENTRY_TIMEOUT")
+    if value is None or not value.strip():
+        return ENTRY_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"ZARRCKPT_ENTRY_TIMEOUT must be a number of seconds > 0, not {value!r}")
+    return seconds
+
+
+def _store() -> Any:
+    """The default process group's c10d store (every group's ranks can reach it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def warn_if_world_without_group(what: str) -> None:
+    """Warn when this process has no process group but its environment says it is one of
+    several (``WORLD_SIZE`` > 1, as torchrun sets): the call covers this process alone."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1:
+        warnings.warn(
+            f"zarrckpt.{what}: WORLD_SIZE={world} but no process group is initialized; this "
+            f"process {what}s on its own, as a world of 1 (call torch.distributed."
+            "init_process_group() first if the processes should act together)",
+            RuntimeWarning, stacklevel=3)
+
+
+def group(process_group: Any = None) -> Group:
+    """The caller's group: the given one, else the default one, else a world of one."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Group(None, 0, 1)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+# ----------------------------------------------------------- process-group teardown
+
+_destroy_callbacks: list[Callable[[], None]] = []
+_destroy_hooked = False
+
+
+def on_destroy_process_group(callback: Callable[[], None]) -> None:
+    """Run ``callback`` before ``torch.distributed.destroy_process_group`` tears groups down
+    (async saves in flight need their side group until they commit)."""
+    global _destroy_hooked
+    with _side_lock:
+        if callback not in _destroy_callbacks:
+            _destroy_callbacks.append(callback)
+        if _destroy_hooked:
+            return
+        _destroy_hooked = True
+        from torch.distributed import distributed_c10d as c10d
+
+        original = c10d.destroy_process_group
+
+        def destroy_process_group(group: Any = None) -> None:
+            for cb in list(_destroy_callbacks):
+                cb()
+            if group is None:
+                _side_groups.clear()
+            original(group)
+
+        destroy_process_group.__doc__ = original.__doc__
+        destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group
+        dist.destroy_process_group = destroy_process_group
+
+
+# ------------------------------------------------------------------ DTensor & co.
+
+
+def is_dtensor(obj: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(obj, DTensor)
+
+
+def is_sharded_tensor(obj: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, ShardedTensor)
+
+
+def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple, Any, str, tuple[int, ...] | None]:
+    """(mesh shape, dim names, zarrckpt placements, mesh rank tensor, device type, coordinate)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from ..errors import UnsupportedPlacementError
+    from ..format.layout import Replicate as LReplicate
+    from ..format.layout import Shard as LShard
+    from ..format.layout import StridedShard as LStrided
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover
+        _StridedShard = ()
+
+    mesh = t.device_mesh
+    out = []
+    for p in t.placements:
+        if _StridedShard and isinstance(p, _StridedShard):
+            out.append(LStrided(p.dim, int(p.split_factor)))
+        elif isinstance(p, Shard):
+            out.append(LShard(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(LReplicate())
+        elif isinstance(p, Partial):
+            raise UnsupportedPlacementError(
+                f"placement Partial ({p!r}, a pending reduction) has no stored form: call "
+                "dtensor.redistribute(placements=[Replicate() ...]) or .full_tensor() first"
+            )
+        else:
+            raise UnsupportedPlacementError(f"unknown DTensor placement {p!r}")
+    coord = mesh.get_coordinate()
+    return (
+        tuple(mesh.mesh.shape),
+        tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        tuple(out),
+        mesh.mesh,
+        mesh.device_type,
+        tuple(coord) if coord is not None else None,
+    )
+
+
+def materialize_dtensor(t: Any) -> Any:
+    """A DTensor like meta DTensor ``t`` with real (uninitialized) local memory on its
+    mesh's device."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = t.device_mesh
+    device: Any = mesh.device_type
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)
+    return DTensor.from_local(local, mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+@dataclass(frozen=True)
+class ShardedInfo:
+    """A ShardedTensor with a ChunkShardingSpec seen as a 1-D mesh with ``Shard(dim)``."""
+
+    dim: int
+    ranks: tuple[int, ...]  # global rank of each mesh coordinate
+    device_type: str
+    coord: tuple[int, ...] | None  # this process's coordinate (None: holds no shard)
+    local: torch.Tensor | None
+
+
+def sharded_tensor_info(st: Any, key: str) -> ShardedInfo:
+    """Map a ShardedTensor to a Shard layout; refuse sharding specs that have none."""
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from ..errors import UnsupportedPlacementError
+
+    spec = st.sharding_spec()
+    if not isinstance(spec, ChunkShardingSpec) or not isinstance(spec.dim, int):
+        raise UnsupportedPlacementError(
+            f"tensor {key!r}: ShardedTensor with {type(spec).__name__} has no stored layout; only "
+            "ChunkShardingSpec over an integer dim is supported (convert to a DTensor first)")
+    ndim = len(st.size())
+    dim = spec.dim % ndim if ndim else 0
+    ranks = []
+    device_type = "cpu"
+    for p in spec.placements:
+        ranks.append(int(p.rank()))
+        device_type = p.device().type
+    pg = st._process_group
+    me = dist.get_rank()
+    # placements name ranks of the ShardedTensor's process group; map them to global ranks
+    granks = tuple(dist.get_global_rank(pg, r) if pg is not None and pg is not dist.group.WORLD else r
+                   for r in ranks)
+    coord = (granks.index(me),) if me in granks else None
+    locals_ = st.local_shards()
+    if len(locals_) > 1:
+        raise UnsupportedPlacementError(f"tensor {key!r}: a ShardedTensor with several local shards "
+                                        "on one rank has no stored layout")
+    local = locals_[0].tensor if locals_ else None
+    return ShardedInfo(dim, granks, device_type, coord, local)

@@ -1,0 +1,277 @@
+"""What a save writes, as frozen records: one :class:`ArrayPlan` per array of this rank.
+
+Planning is local (no collectives, no I/O): each leaf is checked and laid out
+(``layout.py``), and the chunks this rank writes and the boundary pieces it sends
+are computed. Later steps never modify a plan; they derive new ones
+(:func:`with_save_id`, :func:`assign_packs`, :func:`restrict_to_holders`).
+Executing a plan (copying, exchanging) is ``_save.py``'s job; writing it, the save
+engine's (``engine.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..distributed import group as zdist
+from ..format import dtypes, documents as fmt, tree as ztree
+from .state import checked_dtype, checked_tensor, is_array_leaf
+from ..errors import UnsupportedPlacementError, UnsupportedValueError
+from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
+
+__all__ = ["ArrayPlan", "PackMember", "PlanOptions", "assign_packs", "plan_state",
+           "restrict_to_holders", "with_save_id", "PACK_ALIGN"]
+
+PACK_ALIGN = 8
+PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The save options that decide what lands on storage; every rank must agree on them."""
+
+    compression: str | dict | None
+    inner_chunk_bytes: int
+    replica_split_bytes: int | None
+    pack_bytes: int
+
+
+@dataclass(frozen=True)
+class PackMember:
+    """A small plain leaf stored at ``offset`` of a pack array."""
+
+    key: str
+    offset: int
+    nbytes: int
+    source: Any  # host tensor/ndarray, or a device tensor copied when the pack is built
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """One array of the save from this rank's point of view."""
+
+    key: str
+    kind: str  # tensor | dtensor | sharded_tensor | ndarray | bytes | bytesio | pack
+    dtype: dtypes.DType
+    layout: Layout
+    coord: tuple[int, ...] | None  # this rank's mesh coordinate (None: holds no part)
+    mesh_ranks: tuple[int, ...]  # global rank of every mesh coordinate, row-major
+    metadata: dict[str, Any]  # the array's zarr.json document
+    writes: tuple[ChunkWrite, ...]  # chunks this rank writes
+    sends: tuple[Send, ...]  # pieces this rank sends to other chunks' writers
+    source: Any  # local data (tensor or ndarray); None for packs and non-holders
+    members: tuple[PackMember, ...] = ()  # kind "pack" only
+
+    def rank_of(self, coord: tuple[int, ...]) -> int:
+        return self.mesh_ranks[int(np.ravel_multi_index(coord, self.layout.mesh_shape))]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.layout.shape) * self.dtype.numpy.itemsize
+
+    @property
+    def on_host(self) -> bool:
+        return not isinstance(self.source, torch.Tensor) or self.source.device.type == "cpu"
+
+    def host_view(self) -> np.ndarray:
+        """Zero-copy NumPy view of host-resident local data."""
+        if isinstance(self.source, torch.Tensor):
+            return dtypes.to_numpy(self.source)
+        return self.source
+
+
+def _split_elems(options: PlanOptions, dt: dtypes.DType) -> int | None:
+    split = options.replica_split_bytes
+    return None if split is None else max(split // dt.numpy.itemsize, 1)
+
+
+def _metadata(key: str, layout: Layout, dt: dtypes.DType, attrs: dict, options: PlanOptions) -> dict:
+    leaf_name = key.rsplit("/", 1)[-1]
+    return fmt.array_metadata(
+        shape=layout.shape, dtype=dt, chunk_shape=layout.chunk_shape, attrs=attrs,
+        dimension_names=[f"{leaf_name}.{d}" for d in range(len(layout.shape))],
+        compression=fmt.compression_codec(options.compression),
+        inner_chunk_bytes=options.inner_chunk_bytes,
+    )
+
+
+def _plan(key, kind, dt, layout, coord, mesh_ranks, attrs, source, options) -> ArrayPlan:
+    writes, sends = layout.save_plan(coord) if coord is not None else ((), ())
+    return ArrayPlan(key, kind, dt, layout, coord, tuple(mesh_ranks),
+                     _metadata(key, layout, dt, attrs, options), tuple(writes), tuple(sends), source)
+
+
+# Plans of earlier saves, by everything they are computed from (key, shape, dtype, mesh,
+# placements, coordinate, options): a training loop saves the same structure every time,
+# and planning thousands of leaves afresh would cost ~0.2 ms each in the blocking part of
+# an async save. Plans are immutable; a hit only gets the new leaf's data as its source.
+_CACHE: dict[tuple, tuple[ArrayPlan, Layout]] = {}
+_CACHE_MAX = 1 << 17
+
+
+def _cached(ck: tuple, build) -> ArrayPlan:
+    hit = _CACHE.get(ck)
+    if hit is None:
+        hit = build()
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[ck] = hit
+    return hit
+
+
+def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: Any = None) -> ArrayPlan:
+    """Check one array leaf and lay it out; errors name the key. ``okey``: a hashable form
+    of ``options`` (plans are then reused across saves, see ``_CACHE``)."""
+    if zdist.is_dtensor(leaf):
+        try:
+            mesh_shape, names, placements, mesh_t, device_type, coord = zdist.dtensor_info(leaf)
+        except UnsupportedPlacementError as e:
+            raise UnsupportedPlacementError(f"tensor {key!r}: {e}") from None
+        dt = checked_dtype(leaf.dtype, key)
+        local = checked_tensor(leaf.to_local(), key) if coord is not None else None
+        mesh_ranks = tuple(mesh_t.reshape(-1).tolist())
+
+        def build() -> ArrayPlan:
+            layout = Layout(tuple(leaf.shape), mesh_shape, placements, key=key,
+                            replica_split_min_elems=_split_elems(options, dt))
+            attrs = fmt.array_attrs(kind="dtensor", save_id="", dtype=dt, mesh_shape=mesh_shape,
+                                    mesh_dim_names=names, placements=placements, device_type=device_type)
+            return _plan(key, "dtensor", dt, layout, coord, mesh_ranks, attrs, None, options)
+        ck = ("dtensor", key, tuple(leaf.shape), dt.zarr, tuple(mesh_shape), names and tuple(names),
+              tuple(placements), device_type, coord, mesh_ranks, okey)
+        plan = _cached(ck, build) if okey is not None else build()
+        if local is not None:
+            plan.layout.check_local_shape(tuple(local.shape), coord, key)
+        return replace(plan, source=local)
+    if zdist.is_sharded_tensor(leaf):
+        info = zdist.sharded_tensor_info(leaf, key)
+        dt = checked_dtype(leaf.dtype, key)
+        placements = (Shard(info.dim),) if leaf.dim() else (Replicate(),)
+        layout = Layout(tuple(leaf.size()), (len(info.ranks),), placements, key=key,
+                        replica_split_min_elems=_split_elems(options, dt))
+        local = None
+        if info.coord is not None:
+            if info.local is None:  # an empty shard: torch keeps none
+                local = torch.empty(layout.local_shape(info.coord), dtype=leaf.dtype)
+            else:
+                local = checked_tensor(info.local, key)
+            layout.check_local_shape(tuple(local.shape), info.coord, key)
+        attrs = fmt.array_attrs(kind="sharded_tensor", save_id="", dtype=dt, mesh_shape=(len(info.ranks),),
+                                placements=placements, device_type=info.device_type)
+        return _plan(key, "sharded_tensor", dt, layout, info.coord, info.ranks, attrs, local, options)
+    if isinstance(leaf, torch.Tensor):
+        kind, source = "tensor", checked_tensor(leaf, key)
+        dt = checked_dtype(source.dtype, key)
+    elif isinstance(leaf, np.ndarray):
+        if leaf.dtype.hasobject:
+            raise UnsupportedValueError(f"array {key!r}: NumPy arrays of Python objects cannot be "
+                                        "stored without pickle")
+        kind, source, dt = "ndarray", leaf, checked_dtype(leaf.dtype, key)
+    elif isinstance(leaf, io.BytesIO):
+        kind, dt, source = "bytesio", dtypes.by_zarr("uint8"), np.frombuffer(leaf.getvalue(), np.uint8)
+    else:
+        kind, dt, source = "bytes", dtypes.by_zarr("uint8"), np.frombuffer(bytes(leaf), np.uint8)
+
+    def build_plain() -> ArrayPlan:
+        layout = Layout(tuple(source.shape), (g.size,), (Replicate(),), key=key,
+                        replica_split_min_elems=_split_elems(options, dt))
+        attrs = fmt.array_attrs(kind=kind, save_id="", dtype=dt)
+        return _plan(key, kind, dt, layout, (g.rank,), g.global_ranks(), attrs, None, options)
+    ck = (kind, key, tuple(source.shape), dt.zarr, g.rank, tuple(g.global_ranks()), okey)
+    plan = _cached(ck, build_plain) if okey is not None else build_plain()
+    return replace(plan, source=source)
+
+
+def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[dict, list[ArrayPlan]]:
+    """(the tree document, this rank's array plans sorted by key) of a resolved state dict.
+    Every leaf is checked here, before anything touches storage."""
+    tree = ztree.encode_tree(resolved, is_array_leaf)
+    okey = json.dumps(asdict(options), sort_keys=True, default=repr)
+    plans = [plan_leaf(ztree.key_of(path), leaf, g, options, okey)
+             for path, leaf in ztree.flatten(resolved, is_array_leaf) if is_array_leaf(leaf)]
+    plans.sort(key=lambda p: p.key)
+    return tree, plans
+
+
+def with_save_id(plan: ArrayPlan, save_id: str) -> ArrayPlan:
+    attrs = dict(plan.metadata["attributes"][fmt.ATTR], save_id=save_id)
+    metadata = dict(plan.metadata, attributes={**plan.metadata["attributes"], fmt.ATTR: attrs})
+    return replace(plan, metadata=metadata)
+
+
+def restrict_to_holders(plan: ArrayPlan, holders: list[int], g: zdist.Group,
+                        options: PlanOptions) -> ArrayPlan:
+    """A plain array replicated over the group ranks that hold it, not the whole group
+    (pipeline stages hold different plain leaves)."""
+    layout = Layout(plan.layout.shape, (len(holders),), (Replicate(),), key=plan.key,
+                    replica_split_min_elems=_split_elems(options, plan.dtype))
+    coord = (holders.index(g.rank),)
+    writes, sends = layout.save_plan(coord)
+    metadata = _metadata(plan.key, layout, plan.dtype, plan.metadata["attributes"][fmt.ATTR], options)
+    return replace(plan, layout=layout, coord=coord, mesh_ranks=tuple(g.global_rank(h) for h in holders),
+                   metadata=metadata, writes=tuple(writes), sends=tuple(sends))
+
+
+def assign_packs(plans: list[ArrayPlan], g: zdist.Group, options: PlanOptions, save_id: str
+                 ) -> tuple[list[ArrayPlan], dict[str, dict]]:
+    """Replace small plain leaves by slices of per-rank pack arrays (spec §6.5).
+
+    Thousands of tiny arrays cost two files each (``zarr.json`` + chunk), and file
+    creation dominates such saves; packed, they cost two files per rank. Every rank
+    holds every plain leaf (the caller checked), so every rank computes the same
+    assignment: greedy by size over the ranks, in key order, balanced and
+    deterministic. Returns the new plans and the tree nodes of the packed leaves.
+    No data is copied here: a pack's bytes are gathered when it is written.
+    """
+    small = [p for p in plans if p.kind in PLAIN_KINDS and p.nbytes <= options.pack_bytes]
+    if len(small) < 2:
+        return plans, {}
+    loads = [0] * g.size
+    groups: list[list[ArrayPlan]] = [[] for _ in range(g.size)]
+    for p in small:
+        r = min(range(g.size), key=lambda i: (loads[i], i))
+        groups[r].append(p)
+        loads[r] += -(-p.nbytes // PACK_ALIGN) * PACK_ALIGN
+    nodes: dict[str, dict] = {}
+    packs = []
+    row = dtypes.by_zarr("uint8")
+    for r, group in enumerate(groups):
+        if not group:
+            continue
+        pack_key = f"{fmt.PACKS}/{r}"
+        offset = 0
+        members = []
+        for p in group:
+            nodes[p.key] = {"packed": {
+                "pack": pack_key, "offset": offset, "nbytes": p.nbytes, "kind": p.kind,
+                "data_type": p.dtype.zarr, "shape": list(p.layout.shape)}}
+            members.append(PackMember(p.key, offset, p.nbytes, p.source))
+            offset += -(-p.nbytes // PACK_ALIGN) * PACK_ALIGN
+        layout = Layout((loads[r],), (1,), (Replicate(),), key=pack_key)
+        attrs = fmt.array_attrs(kind="pack", save_id=save_id, dtype=row)
+        mine = r == g.rank
+        packs.append(replace(
+            _plan(pack_key, "pack", row, layout, (0,) if mine else None, (g.global_rank(r),), attrs,
+                  None, options),
+            members=tuple(members) if mine else ()))
+    packed = {p.key for p in small}
+    return [p for p in plans if p.key not in packed] + packs, nodes
+
+
+def pack_bytes(plan: ArrayPlan) -> np.ndarray:
+    """The bytes of a pack array, gathered from its members (device data copied here)."""
+    buf = np.zeros(plan.layout.shape[0], dtype=np.uint8)
+    for m in plan.members:
+        if not m.nbytes:
+            continue
+        src = m.source
+        if isinstance(src, torch.Tensor):
+            src = dtypes.to_numpy(src.cpu() if src.device.type != "cpu" else src)
+        buf[m.offset:m.offset + m.nbytes] = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+    return buf

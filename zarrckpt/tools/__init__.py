@@ -1,0 +1,3 @@
+"""Layer 9, tools: the ``zarrckpt`` command (``cli``) and its operations as functions
+(``inspect``), and the converters (``convert``).
+"""
