@@ -17,8 +17,9 @@ import torch
 import zarrckpt
 from zarrckpt.tools import cli
 from zarrckpt.readers.lazy import format_bytes
-from zarrckpt.engine.commit import SaveLock, lock_name
-from zarrckpt.storage import Storage
+from zarrckpt.engine.commit import SaveLock
+from zarrckpt.format.documents import lock_name
+from zarrckpt.storage import open_storage
 
 clean_leftovers = zarrckpt.clean_leftovers  # the public name
 
@@ -152,7 +153,7 @@ def test_a_lock_file_deleted_before_it_is_locked_is_taken_again(tmp_path, monkey
         return real(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    lock = SaveLock.acquire(Storage(tmp_path / "c"), "ab" * 15)
+    lock = SaveLock.acquire(open_storage(tmp_path / "c"), "ab" * 15)
     monkeypatch.undo()
     try:
         assert calls["n"] == 3 and path.exists()  # the save's, the cleaner's, the save's again

@@ -383,15 +383,17 @@ def test_diff_keys_shapes_dtypes_values(tmp_path, capsys):
 def test_diff_reads_chunk_by_chunk(tmp_path, monkeypatch):
     """Memory is bounded by chunks: no read is larger than one stored chunk of [16, 32]."""
     a, b = diff_pair(tmp_path)
-    reads = []
-    real = zi.read_box
+    from zarrckpt.readers.checkpoint import CheckpointView
 
-    def spy(handle, box, key):
-        out = real(handle, box, key)
+    reads = []
+    real = CheckpointView.read_box
+
+    def spy(view, key, box):
+        out = real(view, key, box)
         reads.append((key, out.size))
         return out
 
-    monkeypatch.setattr(zi, "read_box", spy)
+    monkeypatch.setattr(CheckpointView, "read_box", spy)
     assert zi.diff(a, b, jobs=1).same
     w_reads = [n for k, n in reads if k == "w"]
     assert w_reads == [16 * 32] * 8  # 4 chunks, from each side
@@ -495,7 +497,7 @@ def test_on_s3(s3, tmp_path, capsys, monkeypatch):
     for step in (1, 2):
         write(f"{base}/step_{step:08d}", grid_arrays(), {"step": step}, chunks=GRID_CHUNKS,
               metadata={"step": step})
-    zarrckpt.storage.Storage(f"{base}/step_00000003").write_atomic("zarr.json", fmt.encode_document(
+    zarrckpt.storage.open_storage(f"{base}/step_00000003").write_atomic("zarr.json", fmt.encode_document(
         fmt.root_metadata(state="pending", save_id=fmt.new_save_id(), world_size=1, created=fmt.utc_now(),
                           writer={})))
     code, out, err = run(capsys, "ls", base)

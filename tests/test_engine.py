@@ -20,7 +20,7 @@ from zarrckpt.distributed import group as zdist
 from zarrckpt.format import documents as fmt
 from zarrckpt.format import tree as ztree
 from zarrckpt.errors import SaveFailedError, ZarrckptError
-from zarrckpt.storage import Storage
+from zarrckpt.storage import FaultStorage, open_storage
 
 # ---- a fake group: ranks are threads of this process ------------------------------------
 
@@ -139,9 +139,10 @@ PLAN = {
 }
 
 
-def save_rank(group, path: str, host=_host, fail_rank: int | None = None) -> int:
-    """One rank of a save, in the engine's call order (as zarrckpt.jax.save does)."""
-    location = Storage(path)
+def save_rank(group, path, host=_host, fail_rank: int | None = None) -> int:
+    """One rank of a save, in the engine's call order (as zarrckpt.jax.save does); ``path``:
+    a path or a Storage."""
+    location = open_storage(path)
     save_id, created = engine.new_identity(group)
     docs = _docs(save_id)
     tree = ztree.encode_tree({"w": _ARRAY, "model": {"b": _ARRAY, "z": _ARRAY}, "step": 3},
@@ -243,18 +244,12 @@ def test_a_claim_refused_on_rank_0_fails_every_rank_at_c1(tmp_path):
     assert zarrckpt.load_state_dict(tmp_path / "ck")["x"].tolist() == [1.0, 1.0]  # untouched
 
 
-def test_whole_plain_chunks_take_the_small_chunk_path(tmp_path, monkeypatch):
-    plain = []
-    real = Storage.write_plain_chunk
-
-    def spy(self, key, index, data):
-        plain.append((key, index))
-        return real(self, key, index, data)
-
-    monkeypatch.setattr(Storage, "write_plain_chunk", spy)
-    save_rank(engine.OneProcess(), str(tmp_path / "ck"))
+def test_whole_plain_chunks_take_the_small_chunk_path(tmp_path):
+    store = FaultStorage(tmp_path / "ck")  # no faults: it counts the writes
+    save_rank(engine.OneProcess(), store)
     # w: chunks 0 and 1 are whole (chunk 2 is an edge chunk); b: whole; z: compressed
-    assert sorted(plain) == [("model/b", (0,)), ("w", (0, 0)), ("w", (1, 0))]
+    plain = sorted(e.key.split("/", 2)[2] for e in store.events if e.op == "put" and "/c/" in e.key)
+    assert plain == ["model/b/c/0", "w/c/0/0", "w/c/1/0"] and store.counts["plain_chunk"] == 3
     _check_saved(tmp_path / "ck")
 
 

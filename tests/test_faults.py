@@ -15,13 +15,13 @@ import sys
 import threading
 import time
 
-import google_crc32c
+import crc32c
 import numpy as np
 import pytest
 import torch
 
 import zarrckpt
-from zarrckpt.storage import _tensorstore as tsmod
+from zarrckpt.storage import FaultStorage, translate_error
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,44 +40,28 @@ def assert_holds(path, value: float, n: int = 8) -> None:
 # ------------------------------------------------------------- a failed save stops
 
 
-def test_failed_save_waits_for_every_write_it_issued(tmp_path, monkeypatch):
+def test_failed_save_waits_for_every_write_it_issued(tmp_path):
     """With a slow disk, writes still queued when one fails must not land after save raises
     (they used to overwrite a retry that had committed meanwhile)."""
-    real = tsmod._put_file
-    done_at = []
-
-    def slow_put(path, data, fsync):
-        if "w3" in path and "zarr.json" not in path:
-            raise OSError(errno.EIO, "I/O error", path)
-        time.sleep(0.05)
-        real(path, data, fsync)
-        done_at.append(time.monotonic())
-
-    monkeypatch.setattr(tsmod, "_put_file", slow_put)
+    store = FaultStorage(tmp_path / "c").slow(0.05, ops="put")
+    store.fail(ops="put", keys="*/w3/c/*", error=OSError(errno.EIO, "I/O error"))
     with pytest.raises(zarrckpt.StorageError, match="w3") as ei:
-        zarrckpt.save(state(1.0, n=16), tmp_path / "c", pack_bytes=0)
+        zarrckpt.save(state(1.0, n=16), store, pack_bytes=0)
     raised_at = time.monotonic()
     assert isinstance(ei.value, OSError) and ei.value.errno == errno.EIO
     time.sleep(0.3)
+    done_at = [e.end for e in store.events if e.op == "put" and e.error is None]
     assert done_at and max(done_at) <= raised_at  # nothing completed after the raise
     assert not os.listdir(tmp_path)  # and the save left nothing behind
 
 
-def test_retry_after_failed_save_holds_its_own_values(tmp_path, monkeypatch):
-    real = tsmod._put_file
-    fail = {"on": True}
-
-    def flaky(path, data, fsync):
-        if fail["on"] and path.endswith("/c/0/0") and "w5" in path:
-            raise OSError(errno.EIO, "I/O error", path)
-        time.sleep(0.01)
-        real(path, data, fsync)
-
-    monkeypatch.setattr(tsmod, "_put_file", flaky)
+def test_retry_after_failed_save_holds_its_own_values(tmp_path):
+    store = FaultStorage(tmp_path / "c").slow(0.01, ops="put")
+    store.fail(ops="put", keys="*/w5/c/0/0", error=OSError(errno.EIO, "I/O error"))
     with pytest.raises(zarrckpt.StorageError):
-        zarrckpt.save(state(1.0, n=16), tmp_path / "c", pack_bytes=0)
-    fail["on"] = False
-    zarrckpt.save(state(2.0, n=16), tmp_path / "c", pack_bytes=0)
+        zarrckpt.save(state(1.0, n=16), store, pack_bytes=0)
+    store.heal().slow(0.01, ops="put")
+    zarrckpt.save(state(2.0, n=16), store, pack_bytes=0)
     time.sleep(0.3)
     assert_holds(tmp_path / "c", 2.0, n=16)
 
@@ -129,17 +113,14 @@ def test_overwrite_keeps_old_checkpoint_loadable_until_commit(tmp_path, monkeypa
     assert os.listdir(tmp_path) == ["c"]  # the replaced data is gone
 
 
-def test_overwrite_failing_mid_write_leaves_old_checkpoint(tmp_path, monkeypatch):
-    zarrckpt.save(state(1.0), tmp_path / "c")
-
-    def full(path, data, fsync):
-        raise OSError(errno.ENOSPC, "No space left on device", path)
-
-    monkeypatch.setattr(tsmod, "_put_file", full)
+def test_overwrite_failing_mid_write_leaves_old_checkpoint(tmp_path):
+    store = FaultStorage(tmp_path / "c")
+    zarrckpt.save(state(1.0), store)
+    store.fail(ops="put", error=OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(zarrckpt.StorageError, match="no space left") as ei:
-        zarrckpt.save(state(2.0), tmp_path / "c", overwrite=True, pack_bytes=0)
+        zarrckpt.save(state(2.0), store, overwrite=True, pack_bytes=0)
     assert ei.value.errno == errno.ENOSPC
-    monkeypatch.undo()
+    store.heal()
     assert_holds(tmp_path / "c", 1.0)
     assert os.listdir(tmp_path) == ["c"]
 
@@ -158,24 +139,15 @@ def test_leftovers_of_a_crashed_save_do_not_block_the_path(tmp_path):
     assert_holds(tmp_path / "c", 2.0)
 
 
-def test_object_store_overwrite_interrupted_in_clearing_is_reusable(monkeypatch):
-    url = "memory://faults/clearing"
+def test_object_store_overwrite_interrupted_in_clearing_is_reusable():
+    url = FaultStorage()  # memory: in place, as on S3; clear deletes key by key
     zarrckpt.save(state(1.0), url)
-    from zarrckpt.storage import Storage
-
-    real = Storage.clear
-
-    def crash(self, keep=()):
-        keys = self.kv.list().result()
-        for k in keys[: len(keys) // 2]:
-            if k.decode() not in keep:
-                self.kv.write(k, None).result()
-        raise KeyboardInterrupt("killed while clearing")
-
-    monkeypatch.setattr(Storage, "clear", crash)
-    with pytest.raises(KeyboardInterrupt):
+    keys = url.list_keys()
+    url.die_after(1 + (len(keys) - 1) // 2)  # the root un-committed, then half of the deletes
+    with pytest.raises(zarrckpt.StorageError, match="unreachable"):
         zarrckpt.save(state(2.0), url, overwrite=True)
-    monkeypatch.setattr(Storage, "clear", real)
+    url.heal()
+    assert 1 < len(url.list_keys()) < len(keys)  # died while clearing
     with pytest.raises(zarrckpt.IncompleteCheckpointError):
         zarrckpt.load_state_dict(url)  # the root stayed: an interrupted save, not foreign data
     with pytest.raises(zarrckpt.CheckpointExistsError, match="unfinished save"):
@@ -310,9 +282,9 @@ def test_status_codes_decide_the_error_class(tmp_path):
     with pytest.raises(zarrckpt.CorruptChunkError, match="'w'.*checksum"):
         zarrckpt.load_state_dict(tmp_path / "c")
     # a message that merely mentions "missing" is not a missing chunk
-    e = tsmod.translate_error(ValueError("INVALID_ARGUMENT: field 'missing_thing' is bad"), "w", "write")
+    e = translate_error(ValueError("INVALID_ARGUMENT: field 'missing_thing' is bad"), "w", "write")
     assert isinstance(e, zarrckpt.StorageError) and not isinstance(e, zarrckpt.CorruptChunkError)
-    e = tsmod.translate_error(ValueError("RESOURCE_EXHAUSTED: quota"), "w", "write")
+    e = translate_error(ValueError("RESOURCE_EXHAUSTED: quota"), "w", "write")
     assert isinstance(e, zarrckpt.StorageError) and e.errno == errno.ENOSPC
 
 
@@ -395,12 +367,9 @@ def test_async_save_then_exit_without_waiting_commits_and_warns(tmp_path):
 import sys, torch
 sys.path.insert(0, {os.path.dirname(TESTS)!r})
 import zarrckpt
-from zarrckpt.storage import _tensorstore as t
-real = t._put_file
-def slow(*a):
-    import time; time.sleep(0.02); real(*a)
-t._put_file = slow
-zarrckpt.async_save({{f"w{{i}}": torch.full((64, 64), 5.0) for i in range(40)}}, {str(tmp_path / 'c')!r}, pack_bytes=0)
+from zarrckpt.storage import FaultStorage
+store = FaultStorage({str(tmp_path / 'c')!r}).slow(0.02, ops="put")
+zarrckpt.async_save({{f"w{{i}}": torch.full((64, 64), 5.0) for i in range(40)}}, store, pack_bytes=0)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -435,10 +404,10 @@ def test_every_stored_file_is_json_or_a_checksummed_chunk(tmp_path):
                 outer = doc["chunk_grid"]["configuration"]["chunk_shape"]
                 n = int(np.prod([a // b for a, b in zip(outer, codecs[0]["configuration"]["chunk_shape"])]))
                 index = data[-(16 * n + 4):]
-                assert google_crc32c.value(index[:-4]).to_bytes(4, "little") == index[-4:], rel
+                assert crc32c.crc32c(index[:-4]).to_bytes(4, "little") == index[-4:], rel
             else:
                 assert [c["name"] for c in codecs] == ["bytes", "crc32c"], rel
-                assert google_crc32c.value(data[:-4]).to_bytes(4, "little") == data[-4:], rel
+                assert crc32c.crc32c(data[:-4]).to_bytes(4, "little") == data[-4:], rel
             seen += 1
     assert seen >= 2  # the sharded array and the pack
 

@@ -112,3 +112,26 @@ def test_dead_endpoint_fails_in_one_requests_retries_whatever_the_number_of_arra
     # arrays here); now the first failure cancels everything still queued
     assert many < 2 * one + 5, (one, many)
     assert dying_s3.requests_after_death < 200  # nowhere near 2,000 requests were attempted
+
+
+# ------------------------------------------------- the same rule, counted on the fault store
+
+
+@pytest.mark.parametrize("object_store", [True, False])
+def test_first_failed_write_stops_the_other_writes_on_object_stores(object_store):
+    """The rule above, counted in requests instead of seconds: on an object store the first
+    write that fails stops the save's other writes (queued ones are cancelled, no new ones
+    issued); a file system's save waits for every write it issued (it has no retries)."""
+    from zarrckpt.storage import FaultStorage
+    from zarrckpt.storage.memory import unavailable
+
+    store = FaultStorage(object_store=object_store).slow(0.005, ops="put")
+    store.fail(ops="put", keys="s*/zarr.json", times=1, error=unavailable("All 3 retry attempts failed"))
+    sd = {f"s{i}": torch.full((16,), float(i)) for i in range(1000)}
+    with pytest.raises(zarrckpt.StorageError, match="unreachable or failing"):
+        zarrckpt.save(sd, store, pack_bytes=0)
+    ran = sum(1 for e in store.events if e.op == "put")
+    if object_store:
+        assert ran < 200, ran  # nowhere near the 2,000 puts of the save
+    else:
+        assert ran == store.counts["put"] and ran > 1000, ran

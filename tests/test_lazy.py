@@ -374,7 +374,7 @@ def test_a_read_that_races_an_overwrite_is_caught_after_it(tmp_path, monkeypatch
 
     zarrckpt.save({"big": torch.arange(20000.0), "step": 1}, tmp_path / "c", pack_bytes=0)
     ck = zarrckpt.open(tmp_path / "c")
-    real_wait, real_ts = reader.wait_all, reader.Checkpoint._tensorstore
+    real_wait, real_open = reader.wait_all, reader.Checkpoint._stored
 
     def overwrite():
         zarrckpt.save({"big": torch.full((20000,), 7.0), "step": 2}, tmp_path / "c", overwrite=True,
@@ -393,12 +393,12 @@ def test_a_read_that_races_an_overwrite_is_caught_after_it(tmp_path, monkeypatch
     ck = zarrckpt.open(tmp_path / "c")
     big = ck["big"]
 
-    def handle_then_overwrite(self, key):
-        handle = real_ts(self, key)  # opened on the old save; the read comes after the overwrite
+    def open_then_overwrite(self, key):
+        array = real_open(self, key)  # opened on the old save; the read comes after the overwrite
         overwrite()
-        return handle
+        return array
 
-    monkeypatch.setattr(reader.Checkpoint, "_tensorstore", handle_then_overwrite)
+    monkeypatch.setattr(reader.Checkpoint, "_stored", open_then_overwrite)
     with pytest.raises(zarrckpt.CheckpointChangedError):
         big[:5]
 

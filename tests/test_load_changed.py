@@ -48,7 +48,7 @@ def test_load_state_dict_overwrite_between_validation_and_chunk_reads(tmp_path, 
     """Was CorruptChunkError: the arrays opened with the old metadata read the new chunks."""
     path = tmp_path / "c"
     zarrckpt.save(state(1.0), path, pack_bytes=0)
-    overwrite_before(monkeypatch, _load._Reads, "open", path, n)
+    overwrite_before(monkeypatch, _load._Reads, "add", path, n)
     with pytest.raises(zarrckpt.CheckpointChangedError, match="replaced while it was being read"):
         zarrckpt.load_state_dict(path)
 
@@ -56,7 +56,7 @@ def test_load_state_dict_overwrite_between_validation_and_chunk_reads(tmp_path, 
 def test_in_place_load_overwrite_between_validation_and_chunk_reads(tmp_path, monkeypatch):
     path = tmp_path / "c"
     zarrckpt.save(state(1.0), path, pack_bytes=0)
-    overwrite_before(monkeypatch, _load._Reads, "open", path)
+    overwrite_before(monkeypatch, _load._Reads, "add", path)
     with pytest.raises(zarrckpt.CheckpointChangedError, match="replaced while it was being read"):
         zarrckpt.load(target(), path)
 

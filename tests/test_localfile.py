@@ -16,7 +16,7 @@ import zarr
 from zarrckpt.format import dtypes
 from zarrckpt.format import documents as fmt
 from zarrckpt.errors import CorruptChunkError
-from zarrckpt.storage import Storage, StorageOptions
+from zarrckpt.storage import StorageOptions, open_storage
 from zarrckpt.storage import _localfile
 from zarrckpt.storage._localfile import LocalArray, chunk_codec
 
@@ -64,7 +64,7 @@ def chunk_boxes(shape, chunk):
 
 
 def write_all(root, key, md, data, options):
-    st = Storage(str(root), options)
+    st = open_storage(str(root), options)
     st.make_dir()
     st.put(f"{key}/zarr.json", fmt.encode_document(md)).result()
     arr = st.open_for_write(key, md).result()
@@ -101,7 +101,7 @@ def test_same_bytes_as_tensorstore_and_each_reads_the_other(tmp_path, shape, chu
     rng = np.random.default_rng(1)
     for src in ("direct", "ts"):
         for opts in (DIRECT, TS):
-            arr = Storage(str(tmp_path / src), opts).open_for_read("x", md).result()
+            arr = open_storage(str(tmp_path / src), opts).open_for_read("x", md).result()
             out = np.empty(shape, dtype)
             arr.read_into(tuple((0, n) for n in shape), out).result()
             assert out.tobytes() == data.tobytes()
@@ -123,7 +123,7 @@ def test_strided_sources_and_targets(tmp_path):
     write_all(tmp_path / "d", "x", md, data, DIRECT)
     got = zarr.open_array(str(tmp_path / "d" / "x"), mode="r")[...]
     np.testing.assert_array_equal(got, data)
-    arr = Storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
+    arr = open_storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
     big = np.zeros((300, 600), np.float32)
     view = big[10:266:1, 20:532:2]  # a strided target
     arr.read_into(((0, 256), (0, 256)), view).result()
@@ -153,7 +153,7 @@ def test_a_shard_is_written_and_read_by_several_threads(tmp_path, monkeypatch):
         seen.add(threading.get_ident())
         return orig_read(self, *a)
     monkeypatch.setattr(LocalArray, "_read_units", spy_read)
-    arr = Storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
+    arr = open_storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()
     before = _localfile.counters()["bytes_read"]
     assert arr.read().result().tobytes() == data.tobytes()
     assert len(seen) > 1  # a one-process load of one array uses several threads
@@ -167,7 +167,7 @@ def test_compressed_arrays_go_through_tensorstore(tmp_path):
                             attrs={}, dimension_names=["a", "b"], compression=fmt.compression_codec("zstd"),
                             inner_chunk_bytes=1024)
     assert chunk_codec(md) is None
-    arr = Storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
+    arr = open_storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
     assert not isinstance(arr, LocalArray)
 
 
@@ -179,7 +179,7 @@ def damaged(tmp_path):
 
 
 def read_all(tmp_path, md, opts=DIRECT):
-    arr = Storage(str(tmp_path), opts).open_for_read("x", md).result()
+    arr = open_storage(str(tmp_path), opts).open_for_read("x", md).result()
     out = np.empty(md["shape"], np.float32)
     arr.read_into(tuple((0, n) for n in md["shape"]), out).result()
     return out
@@ -213,7 +213,7 @@ def test_damaged_shard_index_missing_and_truncated_chunks(tmp_path):
         read_all(tmp_path, md)
     with open(tmp_path / "x/c/1/0", "r+b") as f:
         f.truncate(100)
-    arr = Storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    arr = open_storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
     with pytest.raises(CorruptChunkError, match="c/1/0 is truncated"):
         arr.read_into(((32, 64), (0, 96)), np.empty((32, 96), np.float32)).result()
 
@@ -234,7 +234,7 @@ def test_index_pointing_outside_the_file_is_refused(tmp_path):
 
 def test_partial_writes_are_refused(tmp_path):
     md = metadata((64, 64), (32, 64), np.float32, 1024)
-    arr = Storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
+    arr = open_storage(str(tmp_path), DIRECT).open_for_write("x", md).result()
     with pytest.raises(ValueError, match="whole chunks"):
         arr.write(((0, 16), (0, 64)), np.zeros((16, 64), np.float32))
 
@@ -271,7 +271,7 @@ def test_small_shards_are_read_whole_in_one_call_and_still_checked(tmp_path, mon
     # a region that needs part of a shard reads only the inner chunks it needs
     calls.clear()
     before = _localfile.counters()["bytes_read"]
-    arr = Storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    arr = open_storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
     part = np.empty((8, 96), np.float32)
     arr.read_into(((0, 8), (0, 96)), part).result()
     np.testing.assert_array_equal(part, data[:8])

@@ -549,13 +549,13 @@ def test_overwrite_uncommits_first(monkeypatch):
     url = f"memory://uncommit-{uuid.uuid4().hex}"
     zarrckpt.save({"w": torch.ones(3)}, url)
     seen = []
-    real_clear = _tensorstore.Storage.clear
+    real_clear = _tensorstore.TensorStoreStorage.clear
 
     def clear(self, *args, **kwargs):
         seen.append(self.read_json("zarr.json")["attributes"]["zarrckpt"]["state"])
         real_clear(self, *args, **kwargs)
 
-    monkeypatch.setattr(_tensorstore.Storage, "clear", clear)
+    monkeypatch.setattr(_tensorstore.TensorStoreStorage, "clear", clear)
     with pytest.raises(zarrckpt.CheckpointExistsError):
         zarrckpt.save({"w": torch.zeros(3)}, url)
     assert seen == []
@@ -755,17 +755,17 @@ def rank_save_logging_puts(rank, world, path, same):
     from zarrckpt.storage import _tensorstore
 
     log = []
-    real_put = _tensorstore.Storage.put
+    real_put = _tensorstore.TensorStoreStorage.put
 
     def put(self, key, data):
         log.append(key)
         return real_put(self, key, data)
 
-    _tensorstore.Storage.put = put
+    _tensorstore.TensorStoreStorage.put = put
     try:
         zarrckpt.save(spec_rank_state(rank, same), path)
     finally:
-        _tensorstore.Storage.put = real_put
+        _tensorstore.TensorStoreStorage.put = real_put
     return log
 
 

@@ -35,6 +35,7 @@ from .errors import (
     IncompleteCheckpointError,
     IntegrityError,
     LoadFailedError,
+    ManagerClosedError,
     MissingKeysError,
     SaveFailedError,
     ShapeMismatchError,
@@ -45,20 +46,19 @@ from .errors import (
     UnsupportedValueError,
     ZarrckptError,
 )
-from .engine.commit import clean_leftovers
 from ._optional import MissingDependencyError
-from .api.manager import CheckpointManager
-from .readers.checkpoint import Checkpoint, CheckpointView, LazyArray
-from .storage import StorageOptions
-from .readers.checkpoint import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
-
 from ._version import __version__
+from .api.manager import CheckpointManager
+from .engine.commit import clean_leftovers
+from .readers.checkpoint import Checkpoint, CheckpointView, LazyArray
+from .readers.checkpoint import open_checkpoint as open  # noqa: A001 - the public name is zarrckpt.open
+from .storage import StorageOptions
 
 __all__ = [
     "Checkpoint",
     "CheckpointChangedError",
-    "CheckpointManager",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointView",
     "ConcurrentSaveError",
@@ -70,6 +70,7 @@ __all__ = [
     "IntegrityError",
     "LazyArray",
     "LoadFailedError",
+    "ManagerClosedError",
     "MissingDependencyError",
     "MissingKeysError",
     "SaveFailedError",
@@ -134,10 +135,10 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     there stays loadable until then. If any rank fails, every rank raises an error of
     the same class naming the failing ranks, and ``path`` is left as it was.
     """
-    from .api.save import SaveOptions, SaveRun, run_save
+    from .api.save import save as _save
 
-    return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options),
-                            metadata))
+    return _save(state_dict, path, process_group=process_group, overwrite=overwrite, metadata=metadata,
+                 **options)
 
 
 def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
@@ -217,14 +218,14 @@ def wait_for_saves(timeout: float | None = None) -> list:
 def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
     """Allocate async-save staging memory now (page-locking costs ~0.6 s per GiB), so the
     first ``async_save`` blocks no longer than later ones. Returns its size in bytes."""
-    from .distributed.staging import reserve_staging as _reserve
+    from .api.async_save import reserve_staging as _reserve
 
     return _reserve(state_dict_or_nbytes)
 
 
 def release_staging() -> None:
     """Free the async-save staging memory (after waiting for saves in flight)."""
-    from .distributed.staging import release_staging as _release
+    from .api.async_save import release_staging as _release
 
     _release()
 

@@ -26,6 +26,7 @@ Each class also subclasses the builtin a caller would naturally catch, so
     ├── SaveFailedError              (RuntimeError)       some rank failed during a save
     │   └── ConcurrentSaveError                           another save took the path over
     ├── LoadFailedError              (RuntimeError)       another rank's load failed
+    ├── ManagerClosedError           (RuntimeError)       a CheckpointManager used after close()
     ├── MissingDependencyError       (ImportError)        an optional package (torch, jax...) is absent
     └── DistributedError             (RuntimeError)       a collective failed (a peer died)
 
@@ -50,6 +51,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "LoadFailedError",
+    "ManagerClosedError",
     "MissingDependencyError",
     "MissingKeysError",
     "SaveFailedError",
@@ -60,6 +62,7 @@ __all__ = [
     "UnsupportedPlacementError",
     "UnsupportedValueError",
     "ZarrckptError",
+    "by_name",
 ]
 
 
@@ -142,6 +145,11 @@ class ConcurrentSaveError(SaveFailedError):
 
 class LoadFailedError(ZarrckptError, RuntimeError):
     """A load failed on another rank of the group (the message names it and its error)."""
+
+
+class ManagerClosedError(ZarrckptError, RuntimeError):
+    """A :class:`~zarrckpt.CheckpointManager` was asked to save after :meth:`close` (or
+    after leaving its ``with`` block); make a new manager for the same root instead."""
 
 
 class MissingDependencyError(ZarrckptError, ImportError):

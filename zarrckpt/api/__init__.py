@@ -2,3 +2,5 @@
 ``CheckpointManager``: adapters that plan with ``planning``, move data with
 ``distributed`` and write through the ``engine``.
 """
+
+__all__: list[str] = []  # nothing re-exported: import the modules

@@ -51,10 +51,10 @@ from ..errors import (
     StateDictMismatchError,
     UnexpectedKeysError,
 )
-from ..format.layout import Layout, Replicate, slices as _slices
+from ..format.layout import Layout, Replicate, slices as _slices, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
-from ..storage import StorageOptions, translate_error
+from ..storage import StorageOptions
 
 log = logging.getLogger("zarrckpt")
 
@@ -193,7 +193,7 @@ class LoadRun:
         parameters (FSDP2/TP), whose state must be sharded like them."""
         ckpt = self.ckpt
         for kp, ck in self.fills:
-            stored = [k for k in _keys_under(ckpt, ck) if ckpt.is_array(k) and not ckpt.is_packed(k)]
+            stored = [k for k in _keys_under(ckpt, ck) if ckpt.is_array(k)]
             infos = ckpt.array_infos(stored)
             sharded = [k for k in stored if infos[k].kind in ("dtensor", "sharded_tensor")]
             owner = owner_of(self.stateful, kp)
@@ -220,7 +220,6 @@ class LoadRun:
         infos = {**self.infos, **ckpt.array_infos(fill_arrays)}
         self.reads = reads = _Reads(ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
         with reads:
-            reads.open({ck for ck, _, _ in todo} | {k for k in fill_arrays if not ckpt.is_packed(k)}, infos)
             for ck, boxes, local in todo:
                 reads.add(ck, self.infos[ck], boxes, local)
             plain = _plain_tensors(reads, infos, fill_arrays)
@@ -344,7 +343,6 @@ class _Reads:
         want = max_staging_bytes if staged_bytes is None else max(staged_bytes, 2 * self.piece_bytes)
         self.max_staging_bytes = min(max_staging_bytes, want + (1 << 16))
         self.stage_piece_bytes = max(1, min(self.piece_bytes, self.max_staging_bytes // 2 - 128))
-        self.arrays: dict[str, Any] = {}
         self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.halves: list = []  # the arena's two halves (double buffering), once needed
@@ -353,50 +351,27 @@ class _Reads:
         self.bytes_needed = 0
         self.bytes_fetched = 0
 
-    def open(self, keys: set[str], infos: dict) -> None:
-        """Open every array at once (metadata already read: no I/O)."""
-        st = self.ckpt.storage
-        futs = {k: st.open_for_read(self.ckpt.node(k)["array"], infos[k].metadata)
-                for k in keys if not self.ckpt.is_packed(k)}
-        for k, f in futs.items():
-            try:
-                self.arrays[k] = f.result()
-            except Exception as e:  # noqa: BLE001
-                raise translate_error(e, k) from e
-
     def add(self, key: str, info: Any, boxes: list, local: torch.Tensor) -> None:
+        """Read the (global box, local box) pairs of array leaf ``key`` into ``local``,
+        through the checkpoint's read primitive (packed leaves included)."""
         saved = dtypes.torch_dtype(info.dtype)
         direct = _direct(local, saved)
-        if self.ckpt.is_packed(key):  # small: the whole leaf comes from its (cached) pack
-            dst = dtypes.to_numpy(local.detach()) if direct else self._staging(tuple(local.shape), saved, local)
-            full = self.ckpt.read(key)
-            if isinstance(full, io.BytesIO):
-                full = full.getvalue()
-            if isinstance(full, (bytes, bytearray)):
-                full = np.frombuffer(full, np.uint8)
-            for gbox, lbox in boxes:
-                view = dst[_slices(lbox)] if lbox else dst
-                view[...] = full[_slices(gbox)] if gbox else full
-                self.bytes_needed += view.nbytes
-                self.bytes_fetched += view.nbytes
-            return
-        arr = self.arrays[key]
-        inner = _read_unit(info)
+        unit = info.inner_chunk_shape or info.chunk_shape  # the smallest unit a read fetches
         itemsize = info.dtype.numpy.itemsize
         base = dtypes.to_numpy(local.detach()) if direct else None
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
             self.bytes_needed += int(np.prod([b - a for a, b in gbox])) * itemsize
-            self.bytes_fetched += _fetched(gbox, inner, info.shape) * itemsize
-            for pg, pl in _pieces(gbox, lbox, inner, itemsize,
+            self.bytes_fetched += unit_elements(gbox, unit, info.shape) * itemsize
+            for pg, pl in _pieces(gbox, lbox, unit, itemsize,
                                   self.piece_bytes if direct else self.stage_piece_bytes):
                 if direct:  # straight into the target
                     view = base[_slices(pl)] if pl else base
                 else:  # piece by piece through the staging arena, then copied (and cast)
                     sub = local[_slices(pl)] if pl else local
                     view = self._staging(tuple(sub.shape), saved, sub)
-                self.pending.add(key, arr.read_into(pg, view), view.nbytes)
+                self.pending.add(key, self.ckpt.read_into(key, pg, view), view.nbytes)
 
     def _staging(self, shape, dtype, target: torch.Tensor) -> np.ndarray:
         """A host buffer for ``target``'s data, from the current half of the arena; when it
@@ -464,14 +439,6 @@ def _direct(local: torch.Tensor, saved: torch.dtype) -> bool:
     return local.device.type == "cpu" and local.dtype == saved and not local.is_conj() and not local.is_neg()
 
 
-def _read_unit(info: Any) -> tuple[int, ...]:
-    """The smallest unit a reader fetches: the inner chunk when sharded, else the chunk."""
-    for c in info.metadata.get("codecs", []):
-        if c.get("name") == "sharding_indexed":
-            return tuple(c["configuration"]["chunk_shape"])
-    return info.chunk_shape
-
-
 def _pieces(gbox, lbox, unit, itemsize: int, max_bytes: int):
     """(global box, local box) pieces of at most ~``max_bytes`` that split a region along
     its first dim spanning several read units, at unit (inner chunk) boundaries."""
@@ -494,13 +461,6 @@ def _pieces(gbox, lbox, unit, itemsize: int, max_bytes: int):
         pl = lbox[:d] + ((lo, lo + e - s),) + lbox[d + 1:]
         yield pg, pl
         s = e
-
-
-def _fetched(box, unit, shape) -> int:
-    n = 1
-    for (a, b), u, size in zip(box, unit, shape):
-        n *= min(-(-b // u) * u, size) - (a // u) * u
-    return n
 
 
 def _load_value(ckpt: Checkpoint, key: str) -> Any:
@@ -595,7 +555,6 @@ def load_state_dict(path: Any, keys: list[str] | None = None, *,
         arrays = [k for k in wanted if ckpt.is_array(k)]
         infos = ckpt.array_infos(arrays)
         with _Reads(ckpt, 1, max_inflight_bytes) as reads:
-            reads.open({k for k in arrays if not ckpt.is_packed(k)}, infos)
             out = _plain_tensors(reads, infos, arrays)
             reads.finish()
         values = {k: _as_leaf(infos[k], out[k]) for k in arrays}

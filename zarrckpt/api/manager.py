@@ -48,20 +48,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import re
 import signal
 import threading
 from typing import Any
 
 from ..engine import commit as _commit
-from ..errors import CheckpointExistsError, FormatError, StorageError, ZarrckptError
-from ..storage import Storage
+from ..format import documents as fmt
+from .._optional import require
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
+                      ManagerClosedError, StorageError, ZarrckptError)
+from ..storage import open_storage
 
 log = logging.getLogger("zarrckpt")
 
 __all__ = ["CheckpointManager"]
 
-_STEP = re.compile(r"step_(\d+)")
 
 
 class CheckpointManager:
@@ -88,8 +89,8 @@ class CheckpointManager:
         from .save import SaveOptions
 
         SaveOptions.from_kwargs(save_options)  # unknown options fail here, not at the first save
-        self.root = os.fspath(root)
-        self.storage = Storage(self.root, save_options.get("storage"))
+        self.storage = open_storage(root, save_options.get("storage"))
+        self.root = self.storage.url
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.process_group = process_group
@@ -111,7 +112,7 @@ class CheckpointManager:
     # ---- paths and steps ------------------------------------------------------
 
     def step_path(self, step: int) -> str:
-        return f"{self.root.rstrip('/')}/step_{int(step):08d}"
+        return f"{self.root.rstrip('/')}/{fmt.step_name(int(step))}"
 
     def _children(self) -> list[str]:
         return self.storage.list_children()
@@ -120,27 +121,22 @@ class CheckpointManager:
         """('absent' | 'foreign' | 'pending' | 'committed', zarrckpt attributes). A root that
         cannot be read (after the storage layer's retries) is an error, never skipped: it
         may be the latest committed step."""
-        st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
+        st = self.storage.child(name)
         try:
-            root = st.read_json("zarr.json")
-        except FormatError:
-            return "foreign", {}
+            data, _ = st.read_bytes("zarr.json")
         except StorageError as e:
             raise StorageError(f"cannot read the root of {name} under {self.root!r}, so cannot tell "
                                f"whether it is a committed step (not skipping it): {e}") from e
-        attrs = ((root or {}).get("attributes") or {}).get("zarrckpt") if isinstance(root, dict) else None
-        if not isinstance(attrs, dict):
-            return ("absent" if root is None else "foreign"), {}
-        return ("committed" if attrs.get("state") == "committed" else "pending"), attrs
+        return fmt.root_state(data)
 
     def _scan(self) -> dict[int, tuple[str, dict, str]]:
         """step -> (state, root attributes, child name) for every step directory."""
         out = {}
         for name in self._children():
-            m = _STEP.fullmatch(name)
-            if m:
+            step = fmt.parse_step_name(name)
+            if step is not None:
                 state, attrs = self._root_state(name)
-                out[int(m.group(1))] = (state, attrs, name)
+                out[step] = (state, attrs, name)
         return out
 
     def steps(self) -> list[int]:
@@ -153,9 +149,12 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict:
         """The metrics recorded with a committed step ({} if none)."""
-        state, attrs = self._root_state(f"step_{int(step):08d}")
+        state, attrs = self._root_state(fmt.step_name(int(step)))
+        if state == "pending":
+            raise IncompleteCheckpointError(f"step {step} under {self.root!r} is not committed (its save "
+                                            "was interrupted or is still running)")
         if state != "committed":
-            raise ZarrckptError(f"no committed checkpoint for step {step} under {self.root!r}")
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} under {self.root!r}")
         return dict(((attrs.get("metadata") or {}).get("metrics")) or {})
 
     # ---- save -----------------------------------------------------------------
@@ -166,17 +165,16 @@ class CheckpointManager:
         when the manager saves asynchronously. A step that is already committed (or being
         written) is an error unless ``overwrite``. ``metrics`` (JSON numbers) are rank 0's,
         as non-tensor values are; retention's ``keep_best`` ranks steps by them."""
-        import zarrckpt
-
         if self._closed:
-            raise ZarrckptError("this CheckpointManager is closed")
+            raise ManagerClosedError(f"this CheckpointManager of {self.root!r} is closed; make a new one")
+        require("torch", "CheckpointManager.save()")
         step = int(step)
         with self._lock:
             if step in self._writing:
                 raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
         self._collect()
         self._before_save()
-        existing, _ = self._root_state(f"step_{step:08d}")
+        existing, _ = self._root_state(fmt.step_name(step))
         if existing == "committed" and not overwrite:
             raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
                                         "(pass overwrite=True to replace it)")
@@ -184,14 +182,18 @@ class CheckpointManager:
         meta = {"step": step, "metrics": dict(metrics or {})}
         kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
                       metadata=meta)
-        path = self.step_path(step)
+        path = self.storage.child(fmt.step_name(step))
         with self._lock:
             self._writing.add(step)
         try:
             if self.async_save:
-                fut = zarrckpt.async_save(state, path, **kwargs)
+                from .async_save import async_save
+
+                fut = async_save(state, path, **kwargs)
             else:
-                report = zarrckpt.save(state, path, **kwargs)
+                from .save import save
+
+                report = save(state, path, **kwargs)
         except BaseException:
             with self._lock:
                 self._writing.discard(step)
@@ -318,7 +320,7 @@ class CheckpointManager:
         return sorted(keep)
 
     def _delete(self, name: str, retire: bool) -> None:
-        st = Storage(f"{self.root.rstrip('/')}/{name}", self.storage.options)
+        st = self.storage.child(name)
         try:
             _commit.retire(st) if retire else st.remove()
             log.info("zarrckpt: retention deleted %s/%s", self.root, name)
@@ -331,14 +333,15 @@ class CheckpointManager:
         """Load step ``step`` (default: the latest committed one) into ``state`` in place;
         returns the step, or None when there is no committed checkpoint (``state`` is
         then untouched)."""
-        import zarrckpt
-
         if step is None:
             step = self.latest_step()
             if step is None:
                 return None
         load_options.setdefault("storage", self.storage.options)
-        zarrckpt.load(state, self.step_path(step), process_group=self.process_group, **load_options)
+        require("torch", "CheckpointManager.restore()")
+        from .load import load
+
+        load(state, self.storage.child(fmt.step_name(int(step))), process_group=self.process_group, **load_options)
         return int(step)
 
     # ---- waiting, closing, preemption -----------------------------------------

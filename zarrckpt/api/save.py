@@ -25,11 +25,11 @@ every rank then raises an error of the same class naming the failing ranks)::
     C3          commit durable; every rank returns
 
 After a failure past C1, rank 0 deletes the save's directory (_commit.abandon).
-``async_save`` (``_async.py``) runs everything up to C1b in the caller's thread,
+``async_save`` (``api/async_save.py``) runs everything up to C1b in the caller's thread,
 then write/C2/commit/C3 in a background thread over a separate gloo group.
 
 Claim, C1, the chunk writes, C2, commit, C3 and abandon are the save engine's
-(``engine.py``, shared with ``Writer`` and ``zarrckpt.jax.save``); this module is its
+(``engine/save.py``, shared with ``Writer`` and ``zarrckpt.jax.save``); this module is its
 torch adapter: planning, packing, the boundary exchange and staging, and the records
 (:class:`engine.ArrayWrite`) the engine writes from.
 """
@@ -40,6 +40,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -56,11 +57,11 @@ from ..planning.state import resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
 from ..distributed.staging import Arena, staged_nbytes, streaming_arena, sync_devices
-from ..storage import Storage, StorageOptions
+from ..storage import Storage, StorageOptions, open_storage
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["SaveOptions", "SaveRun", "run_save", "plan_and_prepare"]
+__all__ = ["SaveOptions", "SaveRun", "plan_and_prepare", "run_save", "save"]
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class SaveRun:
         """Local planning; returns the error (reported to every rank at C0)."""
         t0 = time.perf_counter()
         try:
-            self.location = Storage(self.path, self.options.storage)
+            self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
             self.tree, self.arrays = plan_state(resolve_stateful(self.state), self.g, self.options.plan)
         except BaseException as e:  # noqa: BLE001 - C0 tells everyone
@@ -195,7 +196,7 @@ class SaveRun:
     def _must_agree(self) -> bytes:
         where = None  # where the checkpoint goes (not how each rank authenticates)
         if self.location is not None:
-            where = {k: v for k, v in self.location.spec.items() if k not in ("aws_credentials", "aws_region")}
+            where = self.location.identity()
         # metadata is not here: like non-tensor values it is rank 0's (ranks' metrics differ)
         return json.dumps([where, self.overwrite, asdict(self.options.plan)], sort_keys=True,
                           default=str).encode()
@@ -451,14 +452,18 @@ def _as_bytes(pairs):
             for peer, t in pairs]
 
 
-_copy_streams: dict = {}
+# One side stream per device for async staging copies, made once; async saves run their
+# foreground part one at a time, but load/save threads of their own may stage too.
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
 
 
-def _copy_stream(device: torch.device):
-    """One side stream per device for async staging copies."""
-    stream = _copy_streams.get(device)
-    if stream is None:
-        stream = _copy_streams[device] = torch.cuda.Stream(device)
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of ``device`` for async staging copies."""
+    with _copy_streams_lock:
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = _copy_streams[device] = torch.cuda.Stream(device)
     return stream
 
 
@@ -496,6 +501,13 @@ def plan_and_prepare(run: SaveRun) -> None:
     except BaseException:
         run.abandon()
         raise
+
+
+def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: bool = False,
+         metadata: dict | None = None, **options: Any) -> dict[str, Any]:
+    """:func:`zarrckpt.save` (see there): every rank saves its shards; returns its report."""
+    return run_save(SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options),
+                            metadata))
 
 
 def run_save(run: SaveRun) -> dict[str, Any]:

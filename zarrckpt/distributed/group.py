@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, ZarrckptError, by_name
 
-__all__ = ["Group", "group", "is_dtensor", "dtensor_info", "on_destroy_process_group"]
+__all__ = ["Group", "ShardedInfo", "dtensor_info", "entry_timeout", "group", "is_dtensor", "is_sharded_tensor",
+           "materialize_dtensor", "on_destroy_process_group", "sharded_tensor_info", "warn_if_world_without_group"]
 
 
 def _collective(op: str):

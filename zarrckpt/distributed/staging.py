@@ -18,7 +18,7 @@ import torch
 
 from ..format import dtypes
 
-__all__ = ["Arena", "release_staging", "reserve_staging", "shared_arena", "streaming_arena"]
+__all__ = ["Arena", "release_arenas", "shared_arena", "staged_nbytes", "streaming_arena", "sync_devices"]
 
 _ALIGN = 64
 
@@ -137,42 +137,10 @@ def streaming_arena(nbytes: int) -> Iterator[Arena]:
                 _STREAM_BUSY = False
 
 
-def local_staging_bytes(state_dict: dict) -> int:
-    """Bytes an async save of ``state_dict`` stages on this rank (its local shards)."""
-    from . import group as zdist
-    from ..format import tree as ztree
-    from ..planning.state import is_array_leaf, resolve_stateful
-
-    total = 0
-    for _, leaf in ztree.flatten(resolve_stateful(state_dict), is_array_leaf):
-        if zdist.is_dtensor(leaf):
-            leaf = leaf.to_local()
-        elif zdist.is_sharded_tensor(leaf):
-            shards = leaf.local_shards()
-            leaf = shards[0].tensor if shards else None
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            total += staged_nbytes(leaf)
-    return total
-
-
-def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
-    """Allocate the async-save staging buffer now (page-locked when CUDA is present, which
-    costs about 0.6 s per GiB), so the first ``async_save`` blocks no longer than later
-    ones. Pass the state dict you will save (its local shards are summed) or a byte
-    count. Returns the buffer's size in bytes."""
-    n = state_dict_or_nbytes if isinstance(state_dict_or_nbytes, int) else local_staging_bytes(state_dict_or_nbytes)
-    arena = shared_arena()
-    arena.reserve(n)
-    return arena.capacity
-
-
-def release_staging() -> None:
-    """Free the staging buffers: the async-save one (after waiting for async saves in
-    flight, which still read from it) and the one loads and sync saves stream through."""
-    from ..api.async_save import wait_for_saves
-
+def release_arenas() -> None:
+    """Drop the async-save arena and the streaming one (unless a load or save is streaming
+    through it now). The caller waits first for async saves still reading the async one."""
     global _SHARED, _STREAM
-    wait_for_saves()
     with _SHARED_LOCK:
         _SHARED = None
         if not _STREAM_BUSY:

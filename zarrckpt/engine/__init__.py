@@ -4,3 +4,5 @@
 protocol; ``commit`` holds the claim, publish and clean-up steps on storage; ``writer`` is
 the one-process streaming writer that converters use.
 """
+
+__all__: list[str] = []  # nothing re-exported: import the modules

@@ -39,43 +39,31 @@ data: rename aside (file systems) or un-commit (object stores) first, then delet
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 
 from ..format import documents as fmt
 from ..storage.inflight import wait_all
 from ..errors import CheckpointExistsError, ConcurrentSaveError, StorageError
-from ..storage import Storage, StorageOptions, storage_error
+from ..storage import Storage, StorageOptions, open_storage, storage_error
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["Leftover", "SaveLock", "Target", "abandon", "begin", "clean_leftovers", "lock_name", "publish",
-           "retire", "save_store", "staging_name"]
-
-
-def staging_name(name: str, save_id: str) -> str:
-    """The directory a save writes into, next to its path (spec §7.3)."""
-    return f".{name}.zarrckpt-{save_id}"
+__all__ = ["Leftover", "SaveLock", "Target", "abandon", "begin", "clean_leftovers", "publish",
+           "retire", "save_store"]
 
 
 def save_store(location: Storage, save_id: str) -> Storage:
     """Where the save ``save_id`` to ``location`` writes: its own directory beside the
     location on file systems (spec §7.3), the location itself on object stores."""
-    return location.sibling(staging_name(location.name, save_id)) if location.can_rename else location
+    return location.sibling(fmt.staging_name(location.name, save_id)) if location.can_rename else location
 
 
-def lock_name(name: str, save_id: str) -> str:
-    """The lock file that says the save ``save_id`` of ``name`` is alive (spec §7.5)."""
-    return f".{name}.zarrckpt-{save_id}.lock"
 
 
 # a save's own directory (or the data it replaced, "-old" where exchange is unsupported)
-_HIDDEN = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})(?:-old)?")
-_LOCK = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.lock")
 
 
 @dataclass
@@ -104,17 +92,12 @@ def _state(st: Storage) -> tuple[str, dict]:
 
 
 def _classify(st: Storage, data: bytes | None) -> tuple[str, dict]:
-    try:
-        root = json.loads(data) if data is not None else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        root = None  # unreadable: not something we may replace
-    attrs = root.get("attributes") if isinstance(root, dict) else None
-    attrs = attrs.get(fmt.ATTR) if isinstance(attrs, dict) else None
-    if isinstance(attrs, dict) and attrs.get("format") == fmt.FORMAT_NAME:
-        return ("committed" if attrs.get("state") == "committed" else "pending"), attrs
-    if data is None and st.is_empty():
-        return "empty", {}
-    return "foreign", {}
+    """The location's state from its root's bytes (:func:`format.documents.root_state`),
+    with 'empty' for a location that holds nothing at all."""
+    state, attrs = fmt.root_state(data)
+    if state == "absent":
+        return ("empty" if st.is_empty() else "foreign"), {}
+    return state, attrs
 
 
 def _refuse(st: Storage, state: str, attrs: dict, overwrite: bool) -> None:
@@ -264,7 +247,7 @@ def retire(location: Storage) -> None:
     then the root; a crash in between leaves an interrupted save."""
     if location.can_rename:
         retire_id = fmt.new_save_id()
-        aside = location.sibling(staging_name(location.name, retire_id))
+        aside = location.sibling(fmt.staging_name(location.name, retire_id))
         lock = SaveLock.acquire(location, retire_id)
         try:
             with location.parent_lock():
@@ -310,7 +293,7 @@ class SaveLock:
         import fcntl
 
         parent = os.path.dirname(location.local_path.rstrip("/"))
-        path = os.path.join(parent, lock_name(location.name, save_id))
+        path = os.path.join(parent, fmt.lock_name(location.name, save_id))
         for _ in range(100):
             try:
                 os.makedirs(parent, exist_ok=True)
@@ -396,7 +379,7 @@ def clean_leftovers(directory: str | os.PathLike, *, dry_run: bool = False, name
     leave alone. On object stores it returns ``[]`` and removes nothing: an interrupted
     save there is a pending root at the path itself, and whether its writer still runs
     cannot be known (no locks); a save with ``overwrite=True`` replaces it."""
-    st = Storage(directory, options)
+    st = open_storage(directory, options)
     parent = st.local_path
     if parent is None:
         return []
@@ -405,7 +388,7 @@ def clean_leftovers(directory: str | os.PathLike, *, dry_run: bool = False, name
     for (nm, sid), items in _scan_leftovers(parent, name).items():
         if sid in keep:
             continue
-        dead, fd = _take_if_dead(os.path.join(parent, lock_name(nm, sid)))
+        dead, fd = _take_if_dead(os.path.join(parent, fmt.lock_name(nm, sid)))
         try:
             found += [Leftover(os.path.join(parent, entry), kind, nm, sid, _du(os.path.join(parent, entry)),
                                not dead) for kind, entry in items]
@@ -428,13 +411,13 @@ def _scan_leftovers(parent: str, name: str | None) -> dict[tuple[str, str], list
     out: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for entry in entries:
         path = os.path.join(parent, entry)
-        lock, hidden = _LOCK.fullmatch(entry), _HIDDEN.fullmatch(entry)
-        if lock and (name is None or lock["name"] == name):
-            out.setdefault((lock["name"], lock["id"]), []).append(("lock", entry))
-        elif hidden and os.path.isdir(path) and not os.path.islink(path):
-            if name is None or hidden["name"] == name:
-                out.setdefault((hidden["name"], hidden["id"]), []).append(("directory", entry))
-        elif not lock and not hidden and (name is None or entry == name):
+        found = fmt.parse_leftover_name(entry)
+        if found is not None:
+            kind, nm, sid = found
+            if (name is None or nm == name) and (
+                    kind == "lock" or (os.path.isdir(path) and not os.path.islink(path))):
+                out.setdefault((nm, sid), []).append((kind, entry))
+        elif name is None or entry == name:
             sid = _pending_claim(path)
             if sid is not None:
                 out.setdefault((entry, sid), []).append(("claim", entry))
@@ -450,9 +433,9 @@ def _pending_claim(path: str) -> str | None:
             data = f.read(1 << 20)
     except OSError:
         return None
-    state, attrs = _classify(Storage(path), data)
+    state, attrs = _classify(open_storage(path), data)
     sid = attrs.get("save_id")
-    return sid if state == "pending" and isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{16,64}", sid) else None
+    return sid if state == "pending" and fmt.is_save_id(sid) else None
 
 
 def _remove_dead(parent: str, name: str, save_id: str, items: list[tuple[str, str]]) -> None:
@@ -462,16 +445,16 @@ def _remove_dead(parent: str, name: str, save_id: str, items: list[tuple[str, st
         if kind == "directory":
             _rmtree(path)
         elif kind == "claim":
-            with Storage(path).parent_lock():  # a new save may be claiming it right now
+            with open_storage(path).parent_lock():  # a new save may be claiming it right now
                 if _pending_claim(path) == save_id:
                     _rmtree(path)
         log.info("zarrckpt: removed %s, left by save %s that is no longer running", path, save_id)
     try:
-        os.unlink(os.path.join(parent, lock_name(name, save_id)))
+        os.unlink(os.path.join(parent, fmt.lock_name(name, save_id)))
     except FileNotFoundError:
         pass
     except OSError as e:
-        raise storage_error(f"deleting {os.path.join(parent, lock_name(name, save_id))!r}", e) from e
+        raise storage_error(f"deleting {os.path.join(parent, fmt.lock_name(name, save_id))!r}", e) from e
 
 
 def _rmtree(path: str) -> None:

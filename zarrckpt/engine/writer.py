@@ -43,7 +43,7 @@ from . import save as engine
 from ..format import documents as fmt
 from ..format import tree as ztree
 from ..errors import UnsupportedValueError, ZarrckptError
-from ..storage import Storage, StorageOptions
+from ..storage import StorageOptions, open_storage
 
 __all__ = ["ArrayWriter", "Writer"]
 
@@ -162,7 +162,7 @@ class Writer:
         self.pack_bytes = pack_bytes
         self.pack_limit = pack_limit
         self.metadata = metadata
-        self.location = Storage(path, storage)
+        self.location = open_storage(path, storage)
         self.url = self.location.url
         self.save_id, self.created = engine.new_identity(_ONE)
         self._writer = fmt.writer_versions(writer)

@@ -5,3 +5,5 @@ packed nodes, chunk keys, directory names); ``dtypes`` maps torch / Zarr / NumPy
 ``tree`` turns nested state into key paths and back (spec §4, §6.2); ``layout`` cuts a
 global tensor into shards and chunks for a mesh and its placements (spec §5, Appendix C).
 """
+
+__all__: list[str] = []  # nothing re-exported: import the modules

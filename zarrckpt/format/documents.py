@@ -42,24 +42,47 @@ from .layout import Placement, placement_from_json, placement_to_json
 
 __all__ = [
     "ARRAY_KINDS",
+    "ATTR",
+    "ArrayInfo",
+    "BYTE_KINDS",
+    "DEFAULT_INNER_CHUNK_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_INDEX",
+    "MAX_RANK",
     "PACKED_KINDS",
+    "PACKS",
     "PLAIN_CODECS",
-    "ArrayInfo",
     "RootInfo",
+    "array_attrs",
     "array_metadata",
     "check_array_digest",
+    "check_metadata",
+    "check_shape",
+    "chunk_key",
+    "compression_codec",
     "decode_document",
     "encode_document",
+    "group_metadata",
     "group_paths",
     "inner_chunk_shape",
+    "is_save_id",
+    "lock_name",
+    "new_save_id",
     "parse_array",
+    "parse_leftover_name",
     "parse_packed",
     "parse_root",
     "parse_root_bytes",
+    "parse_step_name",
+    "root_attributes",
     "root_digest",
     "root_metadata",
+    "root_state",
+    "staging_name",
+    "step_name",
+    "utc_from_us",
+    "utc_now",
     "with_packed_nodes",
     "writer_versions",
 ]
@@ -311,6 +334,90 @@ def array_metadata(
         "attributes": {ATTR: attrs},
         "dimension_names": dimension_names,
     }
+
+
+def chunk_key(index: Iterable[int]) -> str:
+    """The key of a chunk (or shard) below its array's path (spec §5.1: the default chunk
+    key encoding with separator ``/``): ``c/i/j/...``; ``c`` for a 0-d array."""
+    return "/".join(["c", *map(str, index)])
+
+
+_STEP_NAME = re.compile(r"step_([0-9]+)")
+
+
+def step_name(step: int) -> str:
+    """The directory of step ``step`` in a run of checkpoints (spec §7.7): ``step_`` and
+    the step in decimal, zero-padded to 8 digits."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a step is an integer >= 0, not {step!r}")
+    return f"step_{step:08d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a directory name in a run (spec §7.7: ``step_`` and decimal digits, any
+    number of them), or None for any other name."""
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def staging_name(name: str, save_id: str) -> str:
+    """The directory a save of ``save_id`` to the directory ``name`` writes into, next to
+    it (file systems, spec §7.3); ``-old`` is appended to a replaced checkpoint moved aside."""
+    return f".{name}.zarrckpt-{save_id}"
+
+
+def lock_name(name: str, save_id: str) -> str:
+    """The lock file that says the save ``save_id`` of ``name`` is alive (spec §7.5)."""
+    return f".{name}.zarrckpt-{save_id}.lock"
+
+
+_STAGING_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})(?:-old)?", re.DOTALL)
+_LOCK_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.lock", re.DOTALL)
+
+
+def parse_leftover_name(entry: str) -> tuple[str, str, str] | None:
+    """``(kind, name, save id)`` of a directory entry that a save of ``name`` makes next
+    to it (spec §7.5): kind ``"lock"`` (its lock file) or ``"directory"`` (its staging
+    directory, or a replaced checkpoint moved aside); None for any other entry."""
+    m = _LOCK_NAME.fullmatch(entry)
+    if m:
+        return "lock", m["name"], m["id"]
+    m = _STAGING_NAME.fullmatch(entry)
+    return ("directory", m["name"], m["id"]) if m else None
+
+
+def is_save_id(value: Any) -> bool:
+    """A save id as roots record it (spec §6.1): 16 to 64 lower-case hex digits."""
+    return isinstance(value, str) and _SAVE_ID.fullmatch(value) is not None
+
+
+def root_attributes(data: bytes | None) -> dict[str, Any] | None:
+    """The ``zarrckpt`` attributes of a root ``zarr.json``'s bytes, read leniently (no digest
+    or schema check: pending and damaged roots too), or None when absent, not JSON, not
+    an object or without them. For claiming, listing, retention and reports; never for
+    loading, which parses the root strictly (:func:`parse_root_bytes`)."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    attrs = attrs.get(ATTR) if isinstance(attrs, dict) else None
+    return attrs if isinstance(attrs, dict) else None
+
+
+def root_state(data: bytes | None) -> tuple[str, dict[str, Any]]:
+    """What the bytes of a root ``zarr.json`` say about a location, read leniently
+    (:func:`root_attributes`): ``("absent", {})`` no document; ``("committed" | "pending",
+    attrs)`` a zarrckpt root (any ``state`` other than committed counts as pending, spec
+    §7.1); ``("foreign", {})`` anything else."""
+    if data is None:
+        return "absent", {}
+    attrs = root_attributes(data)
+    if attrs is None or attrs.get("format") != FORMAT_NAME:
+        return "foreign", {}
+    return ("committed" if attrs.get("state") == "committed" else "pending"), attrs
 
 
 def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:

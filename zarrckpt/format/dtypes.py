@@ -19,7 +19,8 @@ from ..errors import UnsupportedValueError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "by_numpy", "by_torch", "by_zarr", "fill_value", "from_numpy", "to_numpy", "ZARR_NAMES"]
+__all__ = ["DType", "ZARR_NAMES", "by_numpy", "by_torch", "by_zarr", "fill_value", "from_numpy", "to_numpy",
+           "torch_dtype"]
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,19 @@ from ..errors import UnsupportedPlacementError
 __all__ = [
     "ChunkWrite",
     "Layout",
+    "Placement",
     "Replicate",
     "Send",
     "Shard",
     "StridedShard",
     "chunk_bounds",
     "dim_runs",
+    "piece_boxes",
+    "piece_shape",
     "placement_from_json",
     "placement_to_json",
     "slices",
+    "unit_elements",
 ]
 
 Run = tuple[int, int]
@@ -435,3 +439,41 @@ def _bisect_right(a: list[int], x: int) -> int:
     import bisect
 
     return bisect.bisect_right(a, x)
+
+
+def piece_shape(shape: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
+    """The largest box of at most ``budget`` bytes (at least one element) that is contiguous
+    in C order: ``(1, ..., 1, k, s_{d+1}, ..., s_{n-1})``. Every extent is in
+    ``1..max(s, 1)``, so it is also a valid Zarr chunk shape."""
+    elems = max(1, budget // max(itemsize, 1))
+    out = [1] * len(shape)
+    acc = 1
+    for d in range(len(shape) - 1, -1, -1):
+        s = max(int(shape[d]), 1)
+        if acc * s <= elems:
+            out[d] = s
+            acc *= s
+        else:
+            out[d] = max(1, elems // acc)
+            break
+    return tuple(out)
+
+
+def piece_boxes(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[tuple[int, ...], Box]]:
+    """``(start, box)`` of every chunk of the grid, in C order (none if the array is empty)."""
+    shape = tuple(shape)
+    if not all(shape):
+        return
+    grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
+    for index in itertools.product(*map(range, grid)):
+        start = tuple(i * c for i, c in zip(index, chunk))
+        yield start, tuple((a, min(a + c, s)) for a, c, s in zip(start, chunk, shape))
+
+
+def unit_elements(box: Box, unit: Sequence[int], shape: Sequence[int]) -> int:
+    """Elements of the read units (inner chunks, else chunks, of extent ``unit``, cut at the
+    array's ``shape``) that ``box`` touches: what a reader fetches to read ``box``."""
+    n = 1
+    for (a, b), u, size in zip(box, unit, shape):
+        n *= min(-(-b // u) * u, size) - (a // u) * u
+    return n

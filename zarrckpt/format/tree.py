@@ -34,10 +34,10 @@ from typing import Any
 from ..errors import FormatError, UnsupportedValueError
 
 __all__ = [
-    "MAX_DEPTH",
-    "MAX_INT_DIGITS",
     "KeyPath",
     "Leaf",
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
     "decode_tree",
     "encode_tree",
     "escape",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from ..format import dtypes as zdt
 from ..format import tree as ztree
+from ..format.layout import piece_boxes, piece_shape
 from ..errors import FormatError, UnsupportedValueError
 from ..storage import storage_error
 
@@ -86,35 +87,6 @@ def dotted(path: tuple) -> str:
 
 
 # ------------------------------------------------------------------ pieces
-
-
-def piece_shape(shape: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
-    """The largest box of at most ``budget`` bytes (at least one element) that is contiguous
-    in C order: ``(1, ..., 1, k, s_{d+1}, ..., s_{n-1})``. Every extent is in
-    ``1..max(s, 1)``, so it is also a valid Zarr chunk shape."""
-    elems = max(1, budget // max(itemsize, 1))
-    out = [1] * len(shape)
-    acc = 1
-    for d in range(len(shape) - 1, -1, -1):
-        s = max(int(shape[d]), 1)
-        if acc * s <= elems:
-            out[d] = s
-            acc *= s
-        else:
-            out[d] = max(1, elems // acc)
-            break
-    return tuple(out)
-
-
-def piece_boxes(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[tuple[int, ...], Box]]:
-    """``(start, box)`` of every chunk of the grid, in C order (none if the array is empty)."""
-    shape = tuple(shape)
-    if not all(shape):
-        return
-    grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
-    for index in np.ndindex(*grid):
-        start = tuple(i * c for i, c in zip(index, chunk))
-        yield start, tuple((a, min(a + c, s)) for a, c, s in zip(start, chunk, shape))
 
 
 # ------------------------------------------------------------------ files

@@ -517,4 +517,5 @@ class Sink:
                 os.rmdir(self.dir)
 
 
-__all__ = ["METADATA", "MetadataUnpickler", "Sink", "Source", "check_metadata", "dcp_items", "read_metadata"]
+__all__ = ["DATA_FILE", "METADATA", "MetadataUnpickler", "Sink", "Source", "check_metadata", "dcp_items",
+           "read_metadata"]

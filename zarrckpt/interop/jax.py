@@ -69,10 +69,9 @@ from ..errors import (
     UnsupportedPlacementError,
     UnsupportedValueError,
 )
-from ..format.layout import Layout, Replicate, Shard
-from ..format.layout import slices as _slices
+from ..format.layout import Layout, Replicate, Shard, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
-from ..storage import Array, Storage, StorageOptions
+from ..storage import StorageOptions, open_storage
 
 jax = require("jax", "zarrckpt.jax")
 
@@ -261,41 +260,24 @@ def _read_boxes(ck: CheckpointView, reads: list[_Read], max_inflight_bytes: int)
     root = ck.checkpoint
     fetched = 0
     with InFlight(max_inflight_bytes, op="read") as pending:
-        arrays: dict[str, Array] = {}
         for r in reads:
             info = r.info
             boxes = {_box(idx, info.shape) for idx in
                      r.sharding.addressable_devices_indices_map(info.shape).values()}
-            packed = root.is_packed(r.key)
-            full = root.read(r.key) if packed else None
             unit = info.inner_chunk_shape or info.chunk_shape
             for box in sorted(boxes):
                 buf = np.empty([b - a for a, b in box], dtype=info.dtype.numpy)
                 r.buffers[box] = buf
                 if not buf.size:
                     continue
-                if packed:
-                    buf[...] = full[_slices(box)] if box else full
-                    fetched += buf.nbytes
-                    continue
-                arr = arrays.get(r.key)
-                if arr is None:
-                    arr = arrays[r.key] = root.open_array(r.key)
-                fetched += _units_bytes(box, unit, info.shape) * buf.itemsize
-                pending.add(r.key, arr.read_into(box, buf), buf.nbytes)
+                fetched += unit_elements(box, unit, info.shape) * buf.itemsize
+                pending.add(r.key, root.read_into(r.key, box, buf), buf.nbytes)
         pending.wait()
     for r in reads:
         if r.dtype != r.info.dtype.numpy:
             r.buffers = {b: v.astype(r.dtype) for b, v in r.buffers.items()}
     return fetched
 
-
-def _units_bytes(box: Box, unit: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    """Elements of the read units (inner chunks or chunks) a box touches."""
-    n = 1
-    for (a, b), u, size in zip(box, unit, shape):
-        n *= min(-(-b // u) * u, size) - (a // u) * u
-    return n
 
 
 def _make_array(r: _Read) -> Any:
@@ -585,7 +567,7 @@ def save(pytree: dict, path: Any, *, overwrite: bool = False, metadata: dict | N
     if not isinstance(pytree, dict):
         raise UnsupportedValueError(f"zarrckpt.jax.save takes a dict (nested dicts, lists and tuples), "
                                     f"not {type(pytree).__name__}")
-    location = Storage(path, storage)
+    location = open_storage(path, storage)
     compression_codec = fmt.compression_codec(compression)
     error: BaseException | None = None
     tree: dict = {}
@@ -598,7 +580,7 @@ def save(pytree: dict, path: Any, *, overwrite: bool = False, metadata: dict | N
         plans = _plan_leaves(pytree, procs, functools.partial(_split_elems, replica_split_bytes))
         fingerprint = hashlib.sha256(json.dumps(
             [tree, [_doc(p, "0" * 30, compression_codec, inner_chunk_bytes) for p in plans],
-             {k: v for k, v in location.spec.items() if k not in ("aws_credentials", "aws_region")},
+             location.identity(),
              overwrite, metadata], sort_keys=True, default=str).encode()).hexdigest()
     except BaseException as e:  # noqa: BLE001 - every process learns of it
         error = e

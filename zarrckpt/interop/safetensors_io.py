@@ -360,5 +360,5 @@ def check_destination(dst: str, prefix: str, overwrite: bool, single_file: bool)
     return old
 
 
-__all__ = ["FROM_ZARR", "INDEX_SUFFIX", "TO_ZARR", "FileWriter", "Planned", "Source", "check_destination",
+__all__ = ["FROM_ZARR", "FileWriter", "INDEX_SUFFIX", "Planned", "Source", "TO_ZARR", "check_destination",
            "header_bytes", "order", "parse_size", "read_header", "shard", "shard_names"]

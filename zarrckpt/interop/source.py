@@ -1,20 +1,20 @@
 """A zarrckpt checkpoint as a converter source (torch-free): the leaves of its tree, each
-array read box by box through TensorStore."""
+array (packed or not) read box by box through the checkpoint's read primitive."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
-from ..format import documents as fmt
 from ..format import tree as ztree
-from ..storage.inflight import wait_all
 from ..readers.checkpoint import Checkpoint
 from ..storage import StorageOptions
-from .common import ArrayLeaf, ValueLeaf, in_memory_leaf
+from .common import ArrayLeaf, ValueLeaf
+
+__all__ = ["Source"]
 
 _KINDS = {"tensor": "tensor", "dtensor": "tensor", "sharded_tensor": "tensor", "ndarray": "ndarray",
           "bytes": "bytes", "bytesio": "bytesio"}
@@ -24,21 +24,15 @@ class Source:
     def __init__(self, src: str | os.PathLike, storage: StorageOptions | None = None) -> None:
         self.ckpt = Checkpoint(src, storage)
         self.metadata = self.ckpt.info.metadata
-        self._open: tuple[str, Any] | None = None
 
     def leaves(self) -> Iterator[ArrayLeaf | ValueLeaf]:
         for path, containers, node in _walk(self.ckpt.info.tree, (), ()):
             ((kind, body),) = node.items()
             key = ztree.key_of(path)
-            if kind == "array":
+            if kind in ("array", "packed"):
                 info = self.ckpt.array_info(key)
-                yield ArrayLeaf(path, info.shape, info.dtype, self._reader(key, info),
+                yield ArrayLeaf(path, info.shape, info.dtype, functools.partial(self._read, key),
                                 _KINDS.get(info.kind, "tensor"), containers)
-            elif kind == "packed":
-                value = self.ckpt.read(key)
-                leaf_kind = body["kind"]
-                data = np.frombuffer(value, np.uint8) if isinstance(value, bytes) else value
-                yield in_memory_leaf(path, data, leaf_kind, containers)
             elif kind == "json":
                 yield ValueLeaf(path, body, containers)
             elif kind == "float":
@@ -48,19 +42,11 @@ class Source:
             else:  # pragma: no cover - parse_tree refused it already
                 raise AssertionError(kind)
 
-    def _reader(self, key: str, info: fmt.ArrayInfo):
-        def read(box: tuple) -> np.ndarray:
-            out = np.empty([b - a for a, b in box], dtype=info.dtype.numpy)
-            if out.size:
-                if self._open is None or self._open[0] != key:
-                    self._open = (key, self.ckpt.open_array(key))
-                wait_all([(key, self._open[1].read_into(tuple(box), out))])
-            return out
-
-        return read
+    def _read(self, key: str, box: tuple) -> np.ndarray:
+        return self.ckpt.read_box(key, box)
 
     def close(self) -> None:
-        self._open = None
+        pass
 
 
 def _walk(node: dict, path: tuple, containers: tuple) -> Iterator[tuple[tuple, tuple, dict]]:

@@ -399,4 +399,5 @@ def _central_entries(fh: Any, zf: zipfile.ZipFile) -> dict[str, int]:
     return out
 
 
-__all__ = ["Sink", "Source", "TensorFile", "View", "expand", "load_meta", "tensor_spec", "unloadable_int", "walk"]
+__all__ = ["Sink", "Source", "TensorFile", "View", "expand", "load_meta", "refusal", "tensor_spec",
+           "unloadable_int", "walk"]

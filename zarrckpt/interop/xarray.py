@@ -31,7 +31,6 @@ zarr-python, so ``xarray.open_zarr`` works from then on. ``open_zarr`` alone (it
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -39,10 +38,10 @@ from typing import Any
 import numpy as np
 
 from ..format import documents as fmt
-from .._optional import require
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, ShapeMismatchError
-from ..readers.checkpoint import Checkpoint, CheckpointView
-from ..storage import Storage, StorageOptions
+from ..readers.checkpoint import Checkpoint
+from ..readers.dataset import selected_keys, to_dataset, variable_attrs, xarray_module
+from ..storage import StorageOptions, open_storage
 
 try:  # the backend class needs xarray; the functions say what to install when it is missing
     from xarray.backends import BackendEntrypoint as _BackendBase
@@ -51,57 +50,6 @@ except ImportError:  # pragma: no cover - exercised without xarray
 
 __all__ = ["ZarrckptBackendEntrypoint", "find_checkpoints", "open_run", "to_dataset"]
 
-_STEP_DIR = re.compile(r"step_(\d+)")  # CheckpointManager's step directories
-
-
-def _xr(what: str) -> Any:
-    require("dask.array", what)
-    return require("xarray", what)
-
-
-def _selected(view: CheckpointView, keys: Iterable[str] | None) -> list[str]:
-    """Array keys (relative to ``view``) of tensor-like leaves under ``keys`` (exact keys or
-    prefixes; all when None)."""
-    out = []
-    wanted = None if keys is None else [k.rstrip("/") for k in ([keys] if isinstance(keys, str) else keys)]
-    for k in view.array_keys():
-        if wanted is not None and not any(k == w or k.startswith(w + "/") for w in wanted):
-            continue
-        out.append(k)
-    infos = view.array_infos(out)
-    return [k for k in out if infos[k].kind not in fmt.BYTE_KINDS]
-
-
-def _variable_attrs(info: fmt.ArrayInfo, key: str) -> dict[str, Any]:
-    attrs: dict[str, Any] = {"zarrckpt_key": key, "kind": info.kind, "data_type": info.dtype.zarr,
-                             "chunks": list(info.chunk_shape)}
-    if info.placements is not None:
-        from ..readers.lazy import placement_str
-
-        attrs["mesh_shape"] = list(info.mesh_shape or ())
-        attrs["placements"] = [placement_str(p) for p in info.placements]
-    return attrs
-
-
-def to_dataset(view: CheckpointView, *, keys: Iterable[str] | None = None) -> Any:
-    """One checkpoint (or the part under a view) as an ``xarray.Dataset`` of dask arrays,
-    one variable per array leaf under ``keys`` (exact keys or prefixes; default all)."""
-    xr = _xr("to_dataset()")
-    variables = {}
-    for k in _selected(view, keys):
-        a = view.array(k)
-        variables[k] = xr.Variable(tuple(f"{k}.{d}" for d in range(a.ndim)), a.dask(),
-                                   attrs=_variable_attrs(a.info, view._full(k)))
-    ds = xr.Dataset(variables)
-    ds.attrs.update(_dataset_attrs(view.checkpoint))
-    return ds
-
-
-def _dataset_attrs(ck: Checkpoint) -> dict[str, Any]:
-    attrs: dict[str, Any] = {"zarrckpt_url": ck.url, "save_id": ck.save_id, "created": ck.created}
-    if ck.step is not None:
-        attrs["step"] = ck.step
-    return attrs
 
 
 def find_checkpoints(paths_or_dir: Any, *, storage: StorageOptions | None = None) -> list[tuple[int, Checkpoint]]:
@@ -131,8 +79,7 @@ def find_checkpoints(paths_or_dir: Any, *, storage: StorageOptions | None = None
 
 def _dir_step(p: Any) -> int | None:
     name = (p.url if isinstance(p, Checkpoint) else os.fspath(p)).rstrip("/").rsplit("/", 1)[-1]
-    m = _STEP_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return fmt.parse_step_name(name)
 
 
 def _single_or_run(where: Any, storage: StorageOptions | None) -> list[tuple[Checkpoint, int | None]]:
@@ -144,12 +91,12 @@ def _single_or_run(where: Any, storage: StorageOptions | None) -> list[tuple[Che
         pass  # not a checkpoint itself: a directory of step_<N> checkpoints?
     root = os.fspath(where).rstrip("/")
     found = []
-    for name in Storage(root, storage).list_children():
-        m = _STEP_DIR.fullmatch(name)
-        if not m:
+    for name in open_storage(root, storage).list_children():
+        step = fmt.parse_step_name(name)
+        if step is None:
             continue
         try:
-            found.append((Checkpoint(f"{root}/{name}", storage), int(m.group(1))))
+            found.append((Checkpoint(f"{root}/{name}", storage), step))
         except (IncompleteCheckpointError, CheckpointNotFoundError):
             continue  # a save in flight or interrupted: not part of the run yet
     if not found:
@@ -168,13 +115,13 @@ def open_run(paths_or_dir: Any, *, keys: Iterable[str] | None = None,
     Without ``keys``, a leaf missing from some checkpoints, or whose shape or dtype changes
     between them, is left out with a warning; a key asked for by ``keys`` must be in
     every checkpoint with one shape and dtype."""
-    xr = _xr("zarrckpt.open_run()")
+    xr = xarray_module("zarrckpt.open_run()")
     import dask.array as da
 
     run = find_checkpoints(paths_or_dir, storage=storage)
     steps = [s for s, _ in run]
     cks = [ck for _, ck in run]
-    per_ck = [_selected(ck, keys) for ck in cks]
+    per_ck = [selected_keys(ck, keys) for ck in cks]
     order = list(dict.fromkeys(k for ks in per_ck for k in ks))
     present = [set(ks) for ks in per_ck]
     if keys is not None:
@@ -204,7 +151,7 @@ def open_run(paths_or_dir: Any, *, keys: Iterable[str] | None = None,
             continue
         data = da.stack([a.dask() for a in arrays])
         variables[k] = xr.Variable(("step", *(f"{k}.{d}" for d in range(first.ndim))), data,
-                                   attrs=_variable_attrs(first.info, k))
+                                   attrs=variable_attrs(first.info, k))
     if skipped:
         warnings.warn(f"open_run left out {len(skipped)} array(s): " + "; ".join(skipped[:5])
                       + ("; ..." if len(skipped) > 5 else ""), stacklevel=2)

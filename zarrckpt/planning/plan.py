@@ -4,8 +4,8 @@ Planning is local (no collectives, no I/O): each leaf is checked and laid out
 (``layout.py``), and the chunks this rank writes and the boundary pieces it sends
 are computed. Later steps never modify a plan; they derive new ones
 (:func:`with_save_id`, :func:`assign_packs`, :func:`restrict_to_holders`).
-Executing a plan (copying, exchanging) is ``_save.py``'s job; writing it, the save
-engine's (``engine.py``).
+Executing a plan (copying, exchanging) is ``api/save.py``'s job; writing it, the save
+engine's (``engine/save.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -25,8 +27,8 @@ from .state import checked_dtype, checked_tensor, is_array_leaf
 from ..errors import UnsupportedPlacementError, UnsupportedValueError
 from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
 
-__all__ = ["ArrayPlan", "PackMember", "PlanOptions", "assign_packs", "plan_state",
-           "restrict_to_holders", "with_save_id", "PACK_ALIGN"]
+__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "pack_bytes", "plan_state",
+           "restrict_to_holders", "with_save_id"]
 
 PACK_ALIGN = 8
 PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")
@@ -111,17 +113,23 @@ def _plan(key, kind, dt, layout, coord, mesh_ranks, attrs, source, options) -> A
 # placements, coordinate, options): a training loop saves the same structure every time,
 # and planning thousands of leaves afresh would cost ~0.2 ms each in the blocking part of
 # an async save. Plans are immutable; a hit only gets the new leaf's data as its source.
-_CACHE: dict[tuple, tuple[ArrayPlan, Layout]] = {}
+# Saves from several threads (a manager's and the caller's) share it: reads and writes
+# hold _CACHE_LOCK; a plan is built outside it (two threads may build the same one; the
+# first stored wins).
+_CACHE: dict[tuple, ArrayPlan] = {}
 _CACHE_MAX = 1 << 17
+_CACHE_LOCK = threading.Lock()
 
 
-def _cached(ck: tuple, build) -> ArrayPlan:
-    hit = _CACHE.get(ck)
+def _cached(ck: tuple, build: Callable[[], ArrayPlan]) -> ArrayPlan:
+    with _CACHE_LOCK:
+        hit = _CACHE.get(ck)
     if hit is None:
-        hit = build()
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.clear()
-        _CACHE[ck] = hit
+        built = build()
+        with _CACHE_LOCK:
+            if len(_CACHE) >= _CACHE_MAX:
+                _CACHE.clear()
+            hit = _CACHE.setdefault(ck, built)
     return hit
 
 

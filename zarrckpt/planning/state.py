@@ -14,8 +14,8 @@ from ..format import dtypes
 from ..format import tree as ztree
 from ..errors import UnsupportedValueError
 
-__all__ = ["is_array_leaf", "is_stateful", "resolve_stateful", "checked_tensor", "checked_dtype",
-           "checked_target", "owner_of", "needs_initialized_state"]
+__all__ = ["checked_dtype", "checked_target", "checked_tensor", "is_array_leaf", "is_stateful",
+           "needs_initialized_state", "owner_of", "resolve_stateful"]
 
 
 def is_stateful(obj: Any) -> bool:

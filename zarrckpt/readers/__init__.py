@@ -2,3 +2,5 @@
 arrays, walk and verify it. ``checkpoint`` (``zarrckpt.open``), ``lazy`` (``LazyArray``),
 ``walk`` (chunk-by-chunk traversal shared by verify/diff/stats), ``verify``.
 """
+
+__all__: list[str] = []  # nothing re-exported: import the modules

@@ -31,9 +31,9 @@ so call ``check_unchanged()`` after reading through it.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
-import json
 import os
 import stat
 import threading
@@ -47,9 +47,11 @@ from ..format import tree as ztree
 from ..storage.inflight import wait_all
 from .lazy import LazyArray, checked_read, describe, format_bytes
 from ..errors import CheckpointChangedError, CheckpointNotFoundError, FormatError, MissingKeysError
-from ..storage import Array, Storage, StorageOptions, in_memory_array, storage_error, translate_error
+from ..storage import Array, Storage, StorageOptions, in_memory_array, open_storage, storage_error, translate_error
 
 __all__ = ["Checkpoint", "CheckpointView", "LazyArray", "open_checkpoint"]
+
+Box = tuple[tuple[int, int], ...]
 
 
 class CheckpointView:
@@ -175,15 +177,12 @@ class CheckpointView:
         local = ck.storage.local_path
         if local is not None:
             _require_regular(os.path.join(local, "zarr.json"), f"{ck.url}: the root zarr.json", missing_ok=True)
-        try:
-            r = ck.storage.kv.read("zarr.json", if_not_equal=ck._root_generation).result()
-        except ValueError as e:
-            raise storage_error(f"reading {ck.url}/zarr.json", e) from e
-        if r.state == "unspecified":  # the same generation: unchanged
+        changed = ck.storage.read_if_changed("zarr.json", ck._root_generation)
+        if changed is None:  # the same generation: unchanged
             return
-        data = bytes(r.value) if r.state == "value" else None
+        data, generation = changed
         if data == ck._root_bytes:  # the same bytes, rewritten (copied, touched)
-            ck._root_generation = bytes(r.stamp.generation)
+            ck._root_generation = generation
             return
         raise CheckpointChangedError(_changed_message(ck, data))
 
@@ -247,9 +246,18 @@ class CheckpointView:
         infos = self._ck._array_infos([self._full(k) for k in keys])
         return {k: infos[self._full(k)] for k in keys}
 
-    @checked_read
-    def open_array(self, key: str) -> Array:
-        return self._ck._open_array(self._full(key))
+    def read_box(self, key: str, box: Iterable[tuple[int, int]]) -> np.ndarray:
+        """The part ``box`` (``(start, stop)`` per dimension) of an array leaf, as NumPy;
+        reads only the chunks (inner chunks) it touches. The root is not re-checked: call
+        :meth:`check_unchanged` after the reads (or read inside :meth:`reading`)."""
+        return self._ck._read_box(self._full(key), tuple((int(a), int(b)) for a, b in box))
+
+    def read_into(self, key: str, box: Iterable[tuple[int, int]], out: np.ndarray) -> Any:
+        """Start reading the part ``box`` of an array leaf into ``out`` (its extent and the
+        leaf's NumPy dtype; a strided view is fine); returns a future. The root is not
+        re-checked: call :meth:`check_unchanged` after the reads (or read inside
+        :meth:`reading`)."""
+        return self._ck._read_into(self._full(key), tuple((int(a), int(b)) for a, b in box), out)
 
     @checked_read
     def tensorstore(self, key: str) -> Any:
@@ -284,8 +292,8 @@ class CheckpointView:
 
     def to_xarray(self) -> Any:
         """An ``xarray.Dataset`` of the array leaves under this view, dask-backed (needs
-        xarray and dask): see :func:`zarrckpt.interop.xarray.to_dataset`."""
-        from ..interop.xarray import to_dataset
+        xarray and dask): see :func:`zarrckpt.readers.dataset.to_dataset`."""
+        from .dataset import to_dataset
 
         return to_dataset(self)
 
@@ -333,7 +341,7 @@ class Checkpoint(CheckpointView):
 
     def __init__(self, path: str | os.PathLike, storage_options: StorageOptions | None = None) -> None:
         super().__init__(self, "")
-        self.storage = Storage(path, storage_options)
+        self.storage = open_storage(path, storage_options)
         self.url = self.storage.url
         _refuse_plain_file(self.storage)
         data, generation = self._read_document("zarr.json", "the root")
@@ -347,7 +355,7 @@ class Checkpoint(CheckpointView):
             key: (kp, node) for kp, key, node in self.info.leaves}
         self._arrays: dict[str, fmt.ArrayInfo] = {}
         self._packs: dict[str, np.ndarray] = {}
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[Any, Any] = {}  # path -> Array; ("tensorstore", key) -> handle
         self._checked_files: set[str] = set()
 
     @functools.cached_property
@@ -415,7 +423,7 @@ class Checkpoint(CheckpointView):
             if "array" not in node:
                 raise KeyError(f"{k!r} is a value, not an array")
             self._check_files(k, k)
-            futures.append((k, self.storage.kv.read(f"{k}/zarr.json")))
+            futures.append((k, self.storage.get(f"{k}/zarr.json")))
         for k, f in futures:
             self._arrays[k] = self._parse_array(k, k, _result_bytes(f, f"{self.url}/{k}/zarr.json"),
                                                 pack=False)
@@ -462,75 +470,108 @@ class Checkpoint(CheckpointView):
                                   "a chunk must be a regular file")
         self._checked_files.add(path)
 
-    # ---- data ---------------------------------------------------------------
+    # ---- data: the read primitive --------------------------------------------------
 
-    def _open_array(self, key: str) -> Array:
-        if "packed" in self._node(key):
-            raise ValueError(f"{key!r} is packed inside {self._node(key)['packed']['pack']!r}; use read() "
-                             "or tensorstore()")
-        info = self._array_infos([key])[key]
-        try:
-            return self.storage.open_for_read(key, info.metadata).result()
-        except Exception as e:  # noqa: BLE001
-            raise translate_error(e, key) from e
+    def _read_into(self, key: str, box: Box, out: np.ndarray) -> Any:
+        """Every read of array data goes through here (``load``, ``load_state_dict``,
+        ``LazyArray``, ``verify``, ``convert``, ``zarrckpt.jax``, xarray/dask): the part
+        ``box`` (global ``(start, stop)`` per dimension) of the array at ``key`` into
+        ``out`` (an array of the box's extent and the array's NumPy dtype; a strided view
+        is fine). ``key`` is a leaf key (an array of its own or a packed leaf) or a pack's
+        path. Returns a future; :func:`~zarrckpt.storage.inflight.wait_all` and ``InFlight``
+        name the key in its errors. Packed leaves are resolved here and nowhere else: their
+        bytes come from their pack, read whole once and cached."""
+        if not out.size:
+            return _done()
+        node = self._leaves.get(key)
+        if node is not None and "packed" in node[1]:
+            out[...] = self._packed_leaf(key)[tuple(slice(a, b) for a, b in box)]
+            return _done()
+        return self._stored(key).read_into(box, out)
 
-    def _open_tensorstore(self, key: str) -> Any:
-        info = self._array_infos([key])[key]
-        try:
-            return self.storage.open_tensorstore(key, info.metadata).result()
-        except Exception as e:  # noqa: BLE001
-            raise translate_error(e, key) from e
+    def _read_box(self, key: str, box: Box) -> np.ndarray:
+        """The part ``box`` of the array at ``key`` as a new NumPy array (:meth:`_read_into`)."""
+        info = self._info_at(key)
+        out = np.empty([b - a for a, b in box], dtype=info.dtype.numpy)
+        wait_all([(key, self._read_into(key, box, out))])
+        return out
 
-    def _tensorstore(self, key: str) -> Any:
-        handle = self._handles.get(key)
-        if handle is None:
-            if "packed" in self._node(key):
-                value = self._read(key)
-                if isinstance(value, bytes):
-                    value = np.frombuffer(value, np.uint8)
-                handle = in_memory_array(value)
-            else:
-                handle = self._open_tensorstore(key)
-            self._handles[key] = handle
-        return handle
+    def _info_at(self, key: str) -> fmt.ArrayInfo:
+        """The verified info of a leaf key or of a pack's path."""
+        if key in self._leaves:
+            return self._array_infos([key])[key]
+        return self._pack_info(key)
 
-    def _read(self, key: str) -> Any:
-        node = self._node(key)
-        if "packed" in node:
-            return self._read_packed(node["packed"], key)
-        if "array" not in node:
-            return ztree.decode_tree(node, _no_array, key)
-        info = self._array_infos([key])[key]
-        out = np.empty(info.shape, dtype=info.dtype.numpy)
-        if out.size:
-            wait_all([(key, self._open_array(key).read_into(tuple((0, s) for s in info.shape), out))])
-        return out.tobytes() if info.kind in fmt.BYTE_KINDS else out
+    def _stored(self, path: str) -> Array:
+        """The array stored at ``path`` (an array leaf's key or a pack's path), opened once."""
+        array = self._handles.get(path)
+        if array is None:
+            info = self._info_at(path)
+            try:
+                array = self._handles[path] = self.storage.open_for_read(path, info.metadata).result()
+            except Exception as e:  # noqa: BLE001
+                raise translate_error(e, path) from e
+        return array
 
-    def _read_packed(self, desc: dict, key: str) -> Any:
-        """A packed leaf: its bytes of the pack array (each pack is read once, then cached)."""
+    def _pack_info(self, path: str, leaf: str | None = None) -> fmt.ArrayInfo:
+        """The verified info of the pack at ``path``; errors name ``leaf`` (a leaf packed in
+        it) when given."""
+        info = self._arrays.get(path)
+        if info is None:
+            if path not in self._pack_paths:
+                raise KeyError(self._no_key(path))
+            key = leaf or path
+            self._check_files(path, key)
+            data = self._read_document(f"{path}/zarr.json", f"pack of {key!r}")[0]
+            info = self._arrays[path] = self._parse_array(key, path, data, pack=True)
+        return info
+
+    @functools.cached_property
+    def _pack_paths(self) -> frozenset[str]:
+        return frozenset(n["packed"]["pack"] for _, n in self._leaves.values() if "packed" in n)
+
+    def _packed_leaf(self, key: str) -> np.ndarray:
+        """A packed leaf's data (spec §6.5): a read-only view of its bytes in its pack (each
+        pack is read whole once, then cached), as the leaf's dtype and shape (``uint8`` for
+        byte kinds)."""
+        desc = self._node(key)["packed"]
         info = fmt.parse_packed(desc, key)
         path = desc["pack"]
         pack = self._packs.get(path)
         if pack is None:
-            self._check_files(path, key)
-            pinfo = self._parse_array(key, path, self._read_document(f"{path}/zarr.json", f"pack of {key!r}")[0],
-                                      pack=True)
-            pack = np.empty(pinfo.shape, dtype=np.uint8)
-            if pack.size:
-                try:
-                    arr = self.storage.open_for_read(path, pinfo.metadata).result()
-                except Exception as e:  # noqa: BLE001
-                    raise translate_error(e, path) from e
-                wait_all([(path, arr.read_into(((0, pinfo.shape[0]),), pack))])
+            pack = self._read_box(path, ((0, self._pack_info(path, key).shape[0]),))
+            pack.flags.writeable = False
             self._packs[path] = pack
         start, n = desc["offset"], desc["nbytes"]
         if start + n > pack.shape[0]:
             raise FormatError(f"packed leaf {key!r}: bytes {start}..{start + n} outside pack "
                               f"{path!r} of {pack.shape[0]} bytes")
-        raw = pack[start:start + n]
-        if info.kind in fmt.BYTE_KINDS:
-            return raw.tobytes()
-        return raw.copy().view(info.dtype.numpy).reshape(info.shape)
+        return pack[start:start + n].view(info.dtype.numpy).reshape(info.shape)
+
+    def _tensorstore(self, key: str) -> Any:
+        """A TensorStore handle for users (``tensorstore()``); zarrckpt itself never reads
+        through it."""
+        handle = self._handles.get(("tensorstore", key))
+        if handle is None:
+            if "packed" in self._node(key):
+                handle = in_memory_array(self._packed_leaf(key))
+            else:
+                info = self._array_infos([key])[key]
+                try:
+                    handle = self.storage.open_tensorstore(key, info.metadata).result()
+                except Exception as e:  # noqa: BLE001
+                    raise translate_error(e, key) from e
+            self._handles[("tensorstore", key)] = handle
+        return handle
+
+    def _read(self, key: str) -> Any:
+        """A whole leaf: an ndarray (a copy), ``bytes`` for byte kinds, or the stored value."""
+        node = self._node(key)
+        if "array" not in node and "packed" not in node:
+            return ztree.decode_tree(node, _no_array, key)
+        info = self._array_infos([key])[key]
+        out = self._read_box(key, tuple((0, s) for s in info.shape))
+        return out.tobytes() if info.kind in fmt.BYTE_KINDS else out
 
     def _to_dict(self, keys: Iterable[str] | None, load_array: Callable[[str], Any] | None) -> dict:
         tree = self.info.tree if keys is None else self._prune(list(keys))
@@ -580,11 +621,9 @@ def _changed_message(ck: Checkpoint, data: bytes | None) -> str:
     if data is None:
         now = "no root zarr.json"
     else:
-        try:
-            attrs = json.loads(data)["attributes"]["zarrckpt"]
-            now = f"save {attrs['save_id']}, {attrs['state']}"
-        except Exception:  # noqa: BLE001 - only for the message
-            now = "a root zarr.json that is not a zarrckpt root"
+        attrs = fmt.root_attributes(data) or {}
+        now = (f"save {attrs.get('save_id')}, {attrs.get('state')}" if attrs
+               else "a root zarr.json that is not a zarrckpt root")
     return (f"checkpoint {ck.url!r} was replaced while it was being read (opened save "
             f"{ck.info.save_id}; the path now holds {now}): what was read may mix both saves; "
             "open or load it again")
@@ -675,16 +714,22 @@ def _short_list(ck: Checkpoint, group: str, following: list[str]) -> str | None:
     return text if len(text) <= 60 else None
 
 
+def _done() -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(None)
+    return f
+
+
 def _no_array(key: str) -> Any:  # pragma: no cover - values never hold arrays
     raise FormatError(f"value node refers to array {key!r}")
 
 
 def _result_bytes(future: Any, where: str) -> bytes | None:
+    """The result of a :meth:`Storage.get` future (a StorageError naming ``where``)."""
     try:
-        r = future.result()
-    except ValueError as e:
+        return future.result()
+    except ValueError as e:  # a Storage whose futures fail with the backend's error
         raise storage_error(f"reading {where}", e) from e
-    return bytes(r.value) if r.state == "value" else None
 
 
 def _file_type(mode: int) -> str:

@@ -32,12 +32,13 @@ import numpy as np
 from ..format import documents as fmt
 from .._optional import require
 from ..format.layout import Layout, Replicate, Shard, StridedShard
-from ..storage import translate_error
+from ..storage.inflight import wait_all
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
-__all__ = ["LazyArray", "checked_read", "normalize_index", "saved_layout", "format_bytes", "placement_str"]
+__all__ = ["LazyArray", "checked_read", "describe", "format_bytes", "normalize_index", "placement_str",
+           "saved_layout"]
 
 
 def checked_read(method: Callable) -> Callable:
@@ -177,29 +178,25 @@ class LazyArray:
 
     @checked_read
     def __getitem__(self, index: Any) -> Any:
-        """NumPy-style selection; reads only the chunks it touches."""
-        if self.packed:
-            return self._small()[index]
+        """NumPy-style selection, with NumPy's own semantics. Reads only what the selection
+        touches: the bounding box of each slice (a step reads the rows between), and runs
+        of nearby indices of an integer or boolean array index."""
         norm = normalize_index(index, self.shape)
-        handle = self._ck.tensorstore(self.key)
-        try:
-            out = handle[norm].read().result()
-        except Exception as e:  # noqa: BLE001
-            raise translate_error(e, self.key) from e
+        boxes, extent, local_index = _selection(norm, self.shape, self._read_unit())
+        out = np.empty(extent, dtype=self.dtype)
+        wait_all([(self.key, self._ck._read_into(self.key, box, out[dst] if dst else out))
+                  for box, dst in boxes])
+        out = out[local_index]
         return out[()] if out.ndim == 0 else out
 
-    def _small(self) -> np.ndarray:
-        value = self._ck.read(self.key)
-        if isinstance(value, (bytes, bytearray)):
-            return np.frombuffer(value, np.uint8).copy()
-        return value
+    def _read_unit(self) -> tuple[int, ...]:
+        """The extent of the smallest stored unit (an inner chunk, else a chunk)."""
+        return self.inner_chunks or self.chunks
 
     @checked_read
     def to_numpy(self) -> np.ndarray:
         """The whole array as a NumPy array (read concurrently, straight into it)."""
-        if self.packed or self.kind in fmt.BYTE_KINDS:
-            return self._small()
-        return self._ck.read(self.key)
+        return self._ck._read_box(self.key, tuple((0, n) for n in self.shape))
 
     def read(self) -> np.ndarray:
         """Same as :meth:`to_numpy`."""
@@ -384,6 +381,56 @@ def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple:
             out.append(np.array(i, dtype=np.int64) if has_array else i)
         d += 1
     return tuple(out)
+
+
+def _selection(norm: tuple, shape: tuple[int, ...], unit: tuple[int, ...]
+               ) -> tuple[list[tuple[tuple, tuple]], tuple[int, ...], tuple]:
+    """How to read a normalized index (:func:`normalize_index`): ``(boxes, extent,
+    index)``. Each ``(box, dst)`` is a box of the array to read into the slices ``dst`` of a
+    compact buffer of shape ``extent``; ``index`` then selects the result from that buffer
+    with NumPy's semantics. A slice or an integer reads its bounding run; an integer array
+    reads runs of its sorted distinct values, merging values less than a read ``unit``
+    apart (so a stored unit is fetched once)."""
+    runs: list[list[tuple[int, int, int]]] = []  # per dimension: (start, stop, offset in buffer)
+    extent: list[int] = []
+    index: list[Any] = []
+    d = 0
+    for it in norm:
+        if it is None:
+            index.append(None)
+            continue
+        if isinstance(it, slice):
+            r = range(it.start, it.stop, it.step)
+            lo, hi = (min(r[0], r[-1]), max(r[0], r[-1]) + 1) if len(r) else (0, 0)
+            stop = it.stop - lo
+            index.append(slice(it.start - lo, stop if stop >= 0 else None, it.step) if len(r) else slice(0, 0))
+            dim_runs = [(lo, hi)]
+        elif isinstance(it, np.ndarray):
+            values = np.unique(it)
+            dim_runs = []
+            for v in values.tolist():
+                if dim_runs and v - dim_runs[-1][1] < unit[d]:
+                    dim_runs[-1] = (dim_runs[-1][0], v + 1)
+                else:
+                    dim_runs.append((v, v + 1))
+            starts = np.array([a for a, _ in dim_runs] or [0], dtype=np.int64)
+            offsets = np.cumsum([0] + [b - a for a, b in dim_runs])[:-1] if dim_runs else np.zeros(1, np.int64)
+            which = np.searchsorted(starts, it, side="right") - 1
+            index.append(offsets[which] + it - starts[which])
+        else:
+            dim_runs = [(it, it + 1)]
+            index.append(0)
+        offset = 0
+        with_offsets = []
+        for a, b in dim_runs:
+            with_offsets.append((a, b, offset))
+            offset += b - a
+        runs.append(with_offsets)
+        extent.append(offset)
+        d += 1
+    boxes = [(tuple((a, b) for a, b, _ in combo), tuple(slice(o, o + b - a) for a, b, o in combo))
+             for combo in itertools.product(*runs)]
+    return boxes, tuple(extent), tuple(index)
 
 
 def _is_int(x: Any) -> bool:

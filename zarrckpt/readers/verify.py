@@ -5,7 +5,9 @@ In order: the root (strict parsing, its own digest, committed), every array ``za
 ranges of packed leaves within their packs, one listing of the store to find every chunk
 (shard) object the chunk grid needs (a missing one is reported without reading it: a
 generic Zarr reader would return fill values for it), then every stored chunk read
-through TensorStore, which checks each CRC-32C and shard index and fails on a missing
+through the checkpoint's read primitive with TensorStore's zarr3 decoder (the reference
+decoder of checksums and shard indexes, whatever path zarrckpt's loads take: local
+loads read chunk files themselves), which checks each CRC-32C and shard index and fails on a missing
 inner chunk that overlaps the array (inner chunks wholly in an edge shard's padding may be
 absent, §5.3). A failed shard is re-read inner chunk by inner chunk to name each broken
 one. Finally the root is read again: a checkpoint replaced meanwhile is reported.
@@ -13,19 +15,19 @@ one. Finally the root is read again: a checkpoint replaced meanwhile is reported
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+
+import numpy as np
 
 from ..format import documents as fmt
-from .walk import Box, JsonReport, Progress, ProgressFn, box_bytes, chunk_grid, chunk_key, parallel, raw_root, units
+from .walk import Box, JsonReport, Progress, ProgressFn, box_bytes, chunk_grid, parallel, raw_root, units
 from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, IntegrityError, ZarrckptError
 from .checkpoint import Checkpoint, _result_bytes
-from ..storage import Storage, StorageOptions, storage_error, translate_error
-from ..storage._tensorstore import status_code
+from ..storage import StorageOptions, open_storage, status_code
 
 __all__ = ["DEFAULT_JOBS", "DEFAULT_MAX_READ_BYTES", "Problem", "VerifyReport", "verify"]
 
@@ -96,7 +98,6 @@ class _Target:
     keys: list[str]
     pack: bool
     info: fmt.ArrayInfo | None = None
-    handle: Any = None
 
 
 def verify(path: str | os.PathLike, *, jobs: int = DEFAULT_JOBS, progress: ProgressFn | None = None,
@@ -112,16 +113,16 @@ def verify(path: str | os.PathLike, *, jobs: int = DEFAULT_JOBS, progress: Progr
         raise ValueError(f"jobs must be >= 1, not {jobs!r}")
     t0 = time.perf_counter()
     try:
-        ck = Checkpoint(path, storage)
+        ck = Checkpoint(path, dataclasses.replace(storage or StorageOptions(), chunk_io="tensorstore"))
     except CheckpointNotFoundError:
         raise
     except IncompleteCheckpointError as e:
-        st = Storage(path, storage)
+        st = open_storage(path, storage)
         attrs = raw_root(st) or {}
         return VerifyReport(st.url, "pending", attrs.get("save_id"), seconds=time.perf_counter() - t0,
                             problems=[Problem("uncommitted", str(e))])
     except FormatError as e:
-        st = Storage(path, storage)
+        st = open_storage(path, storage)
         return VerifyReport(st.url, "damaged", seconds=time.perf_counter() - t0,
                             problems=[Problem("digest" if isinstance(e, IntegrityError) else "root", str(e))])
     report = VerifyReport(ck.url, "committed", ck.save_id)
@@ -135,7 +136,7 @@ def verify(path: str | os.PathLike, *, jobs: int = DEFAULT_JOBS, progress: Progr
         if t.info is None:
             continue
         for index, box in chunk_grid(t.info.shape, t.info.chunk_shape):
-            key = chunk_key(index)
+            key = fmt.chunk_key(index)
             if f"{t.path}/{key}" not in present:
                 report.problems.append(Problem("missing", "not in storage (a generic Zarr reader would return fill "
                                                       "values)", t.path, t.keys, key))
@@ -172,7 +173,7 @@ def _check_documents(ck: Checkpoint, targets: list[_Target], report: VerifyRepor
         except ZarrckptError as e:
             report.problems.append(Problem("metadata", str(e), t.path, t.keys))
             continue
-        pending.append((t, ck.storage.kv.read(f"{t.path}/zarr.json")))
+        pending.append((t, ck.storage.get(f"{t.path}/zarr.json")))
     for t, future in pending:
         try:
             data = _result_bytes(future, f"{ck.url}/{t.path}/zarr.json")
@@ -180,6 +181,7 @@ def _check_documents(ck: Checkpoint, targets: list[_Target], report: VerifyRepor
                 report.problems.append(Problem("missing", "its zarr.json is not in storage", t.path, t.keys))
                 continue
             t.info = ck._parse_array(t.keys[0] if not t.pack else t.path, t.path, data, pack=t.pack)
+            ck._arrays[t.path] = t.info  # what the read primitive reads it by
         except IntegrityError as e:
             report.problems.append(Problem("digest", str(e), t.path, t.keys))
         except FormatError as e:
@@ -201,10 +203,7 @@ def _check_packed_ranges(ck: Checkpoint, targets: list[_Target], report: VerifyR
 
 def _stored_keys(ck: Checkpoint) -> set[str]:
     """Every storage key under the checkpoint (one listing)."""
-    try:
-        return {k.decode("utf-8", "replace") for k in ck.storage.kv.list().result()}
-    except ValueError as e:
-        raise storage_error(f"listing {ck.url!r}", e) from e
+    return set(ck.storage.list_keys())
 
 
 def _classify(e: BaseException) -> str:
@@ -232,22 +231,13 @@ def _check_chunks(ck: Checkpoint, work: list[tuple[_Target, tuple[int, ...], Box
 
     total = sum(box_bytes(box, t.info.dtype.numpy.itemsize) for t, _, box in work)
     count = sum(1 for _ in todo())
-    lock = threading.Lock()
-
-    def handle(t: _Target) -> Any:
-        with lock:
-            if t.handle is None:
-                t.handle = _tensorstore(ck, t.path, t.info.metadata)
-            return t.handle
-
     def check(unit: tuple[_Target, tuple[int, ...], Box, Box]) -> list[Problem]:
         t, index, chunk_box, box = unit
-        h = handle(t)
         try:
-            h[tuple(slice(a, b) for a, b in box)].read().result()
+            _read(ck, t, box)
             return []
         except Exception as e:  # noqa: BLE001
-            return _locate(h, t, index, chunk_box, box, e)
+            return _locate(ck, t, index, chunk_box, box, e)
 
     done_bytes = 0
     for n, (unit, problems) in enumerate(parallel(check, todo(), jobs), 1):
@@ -259,20 +249,18 @@ def _check_chunks(ck: Checkpoint, work: list[tuple[_Target, tuple[int, ...], Box
     report.bytes = done_bytes
 
 
-def _tensorstore(ck: Checkpoint, path: str, metadata: dict[str, Any]) -> Any:
-    """A TensorStore handle of the array at ``path`` (packs included): verify reads through
-    TensorStore's zarr3 driver, the reference decoder of checksums and shard indexes,
-    whatever path zarrckpt's own reads take."""
-    try:
-        return ck.storage.open_tensorstore(path, metadata).result()
-    except Exception as e:  # noqa: BLE001
-        raise translate_error(e, path) from e
+def _read(ck: Checkpoint, t: _Target, box: Box) -> None:
+    """Read ``box`` of the array ``t`` through the read primitive, raising the storage
+    layer's own error (its status says missing, checksum or undecodable)."""
+    out = np.empty([b - a for a, b in box], dtype=t.info.dtype.numpy)
+    ck._read_into(t.path, box, out).result()
 
 
-def _locate(h: Any, t: _Target, index: tuple[int, ...], chunk_box: Box, box: Box, e: BaseException) -> list[Problem]:
+def _locate(ck: Checkpoint, t: _Target, index: tuple[int, ...], chunk_box: Box, box: Box, e: BaseException
+            ) -> list[Problem]:
     """The problems behind a failed read of ``box``: for a shard, each failing inner chunk
     (or the shard index once, when it is what fails); else the chunk."""
-    key = chunk_key(index)
+    key = fmt.chunk_key(index)
     inner = t.info.inner_chunk_shape
     if inner is None or "shard index" in str(e):
         what = "shard index: " if inner is not None else ""
@@ -281,7 +269,7 @@ def _locate(h: Any, t: _Target, index: tuple[int, ...], chunk_box: Box, box: Box
     out = []
     for sub in subs:
         try:
-            h[tuple(slice(a, b) for a, b in sub)].read().result()
+            _read(ck, t, sub)
         except Exception as e2:  # noqa: BLE001
             pos = tuple((a - c0) // n for (a, _), (c0, _), n in zip(sub, chunk_box, inner))
             out.append(Problem(_classify(e2), _detail(e2), t.path, t.keys, key, pos))

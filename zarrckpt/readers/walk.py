@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from ..format import documents as fmt
-from ..errors import FormatError
-from ..storage import Storage, translate_error
+from ..format.layout import piece_shape
+from ..storage import Storage
 
-__all__ = ["JsonReport", "Progress", "ProgressFn", "box_bytes", "boxes", "chunk_grid", "chunk_key", "json_text",
-           "json_values", "parallel", "raw_root", "read_box", "units"]
+__all__ = ["Box", "JsonReport", "Progress", "ProgressFn", "box_bytes", "boxes", "chunk_grid",
+           "json_text", "json_values", "parallel", "raw_root", "units"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -94,10 +94,6 @@ def chunk_grid(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[tuple[tup
         yield index, tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunk, shape))
 
 
-def chunk_key(index: tuple[int, ...]) -> str:
-    return "/".join(["c", *map(str, index)])
-
-
 def units(box: Box, inner: tuple[int, ...] | None, itemsize: int, budget: int) -> list[Box]:
     """A chunk's box as boxes to read: the whole chunk, or, for a shard larger than
     ``budget`` bytes, groups of whole inner chunks of at most ``budget`` bytes (at least
@@ -105,8 +101,6 @@ def units(box: Box, inner: tuple[int, ...] | None, itemsize: int, budget: int) -
     ext = [b - a for a, b in box]
     if inner is None or math.prod(ext) * itemsize <= budget:
         return [box]
-    from ..interop.common import piece_shape
-
     counts = [-(-e // n) for e, n in zip(ext, inner)]
     group = piece_shape(counts, math.prod(inner) * itemsize, budget)
     shape = [g * n for g, n in zip(group, inner)]
@@ -117,14 +111,6 @@ def units(box: Box, inner: tuple[int, ...] | None, itemsize: int, budget: int) -
 def boxes(a: fmt.ArrayInfo, budget: int) -> Iterator[Box]:
     for _, box in chunk_grid(a.shape, a.chunk_shape):
         yield from units(box, a.inner_chunk_shape, a.dtype.numpy.itemsize, budget)
-
-
-def read_box(handle: Any, box: Box, key: str) -> np.ndarray:
-    """One box of an array (a TensorStore handle), as NumPy; errors name ``key``."""
-    try:
-        return handle[tuple(slice(a, b) for a, b in box)].read().result()
-    except Exception as e:  # noqa: BLE001
-        raise translate_error(e, key) from e
 
 
 def box_bytes(box: Box, itemsize: int) -> int:
@@ -161,13 +147,5 @@ _END = object()
 
 def raw_root(storage: Storage) -> dict[str, Any] | None:
     """The ``zarrckpt`` attributes of the root, parsed leniently (pending roots, damaged
-    ones): None when absent or not JSON."""
-    data, _ = storage.read_bytes("zarr.json")
-    if data is None:
-        return None
-    try:
-        doc = fmt.decode_document(data, f"{storage.url}/zarr.json")
-    except FormatError:
-        return None
-    attrs = (doc.get("attributes") or {}).get(fmt.ATTR) if isinstance(doc.get("attributes"), dict) else None
-    return attrs if isinstance(attrs, dict) else None
+    ones): None when absent or not JSON (:func:`format.documents.root_attributes`)."""
+    return fmt.root_attributes(storage.read_bytes("zarr.json")[0])

@@ -1,8 +1,9 @@
 """Storage: the only package that imports TensorStore.
 
-Everything zarrckpt puts on or reads from storage goes through :class:`Storage`:
-small documents by key (``zarr.json`` files, the commit write) and array
-regions (chunk writes, region reads). URLs name kvstores (spec §3):
+Everything zarrckpt puts on or reads from storage goes through the interface
+:class:`Storage` (``base.py``): small documents by key (``zarr.json`` files, the commit
+write), listings, the location as a whole, and :class:`Array` regions (chunk writes,
+region reads). :func:`open_storage` gives the implementation for a URL (spec §3):
 
 ==========================  ===============================================
 ``/abs/path``, ``rel/path``  local file system (TensorStore ``file`` driver)
@@ -12,22 +13,39 @@ regions (chunk writes, region reads). URLs name kvstores (spec §3):
 ``gs://bucket/prefix``       Google Cloud Storage
 ==========================  ===============================================
 
+and returns a :class:`Storage` it is given as it is, so every public function that takes
+a checkpoint path also takes a Storage: :class:`FaultStorage` (``memory.py``) is the one
+tests pass, to make storage slow, failing, truncating or dying mid-save.
+
 Errors of the store become :class:`~zarrckpt.errors.StorageError` (full disk,
 read-only, permission, unreachable endpoint) or
 :class:`~zarrckpt.errors.CorruptChunkError` (missing or damaged chunk), decided by
 TensorStore's status code (:func:`translate_error`).
 """
 
+import os
+
 from ._tensorstore import (
-    Array,
-    Storage,
     StorageOptions,
+    TensorStoreStorage,
     in_memory_array,
     io_counters,
     kvstore_spec,
+    status_code,
     storage_error,
     translate_error,
 )
+from .base import Array, Storage
+from .memory import FaultStorage
 
-__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "io_counters", "kvstore_spec", "storage_error",
-           "translate_error"]
+__all__ = ["Array", "FaultStorage", "Storage", "StorageOptions", "in_memory_array", "io_counters", "kvstore_spec",
+           "open_storage", "status_code", "storage_error", "translate_error"]
+
+
+def open_storage(location: Storage | str | os.PathLike, options: StorageOptions | None = None) -> Storage:
+    """The :class:`Storage` for ``location``: a Storage is returned as it is (``options``
+    are its own already); a path or URL (the table above) opens TensorStore's kvstore for
+    it, with ``options`` (default :class:`~zarrckpt.StorageOptions`)."""
+    if isinstance(location, Storage):
+        return location
+    return TensorStoreStorage(location, options)

@@ -36,6 +36,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from .base import Array
 from ..format import dtypes
 from ..errors import CorruptChunkError
 
@@ -242,9 +243,9 @@ def _split(items: list, size: int, piece: int) -> Iterator[list]:
 
 # --------------------------------------------------------------------------- arrays
 
-class LocalArray:
-    """An array whose chunk files are written and read directly (see the module docstring).
-    Same interface as the TensorStore-backed ``Array``: futures from ``write``/``read_into``."""
+class LocalArray(Array):
+    """An array whose chunk files are written and read directly (see the module docstring):
+    an :class:`~zarrckpt.storage.base.Array` whose futures are ``concurrent.futures``."""
 
     def __init__(self, directory: str, codec: ChunkCodec, key: str, *, threads: int, fsync: bool) -> None:
         self.dir = directory
@@ -268,9 +269,9 @@ class LocalArray:
 
     # ---- write --------------------------------------------------------------
 
-    def write(self, box: Box, data: np.ndarray, *, stable: bool = True) -> cf.Future:
+    def _write(self, box: Box, data: np.ndarray, stable: bool) -> cf.Future:
         """Write the whole chunk ``box`` (clipped to the shape) from ``data`` (any strides);
-        the caller keeps ``data`` unchanged until the future completes."""
+        the caller keeps ``data`` unchanged until the future completes (always)."""
         c = self.codec
         index = tuple(a // cs for (a, _), cs in zip(box, c.chunk))
         if box != tuple((i * cs, min((i + 1) * cs, n)) for i, cs, n in zip(index, c.chunk, c.shape)) \
@@ -353,7 +354,7 @@ class LocalArray:
 
     # ---- read ---------------------------------------------------------------
 
-    def read_into(self, box: Box, out: np.ndarray) -> cf.Future:
+    def _read_into(self, box: Box, out: np.ndarray) -> cf.Future:
         """Read the global ``box`` into ``out`` (a possibly strided view of its shape)."""
         c = self.codec
         units = []  # (chunk index, inner chunk) pairs that meet the box
@@ -387,7 +388,7 @@ class LocalArray:
             per[index] = per.get(index, 0) + 1
         return {index for index, n in per.items() if n == len(self.codec.present(index))}
 
-    def read(self, box: Box | None = None) -> cf.Future:
+    def _read(self, box: Box | None) -> cf.Future:
         """A new array holding ``box`` (default: everything); a future of it."""
         box = box or tuple((0, n) for n in self.shape)
         out = np.empty([b - a for a, b in box], self.codec.dtype)

@@ -1,4 +1,6 @@
-"""TensorStore-backed implementation of :mod:`zarrckpt.storage`."""
+"""TensorStore-backed implementation of :mod:`zarrckpt.storage`: :class:`TensorStoreStorage`
+for every URL zarrckpt takes (file, memory, S3, GCS) and its arrays. The only module that
+holds TensorStore handles and kvstore specs (besides ``_localfile``'s chunk files)."""
 
 from __future__ import annotations
 
@@ -6,31 +8,36 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno as _errno
-import json
 import os
 import re
 import shutil
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 
 from ._localfile import LocalArray, chunk_codec
 from ._localfile import counters as _direct_counters
-from ..errors import CheckpointNotFoundError, CorruptChunkError, FormatError, StorageError, ZarrckptError
+from . import base as _base
+from .base import Array, Box
+from ..errors import CheckpointNotFoundError, CorruptChunkError, StorageError, ZarrckptError
 
-__all__ = ["Array", "Storage", "StorageOptions", "in_memory_array", "kvstore_spec", "translate_error"]
+__all__ = ["StorageOptions", "TensorStoreArray", "TensorStoreStorage", "in_memory_array", "io_counters",
+           "kvstore_spec", "status_code", "storage_error", "translate_error"]
 
 
-# curl's only timeout: a transfer slower than 256 B/s for this long fails (and is retried).
-# TensorStore reads it once, at the first HTTP request; its default is 60 s.
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "20")
+def _before_first_http_request() -> None:
+    """curl's only timeout: a transfer slower than 256 B/s for this long fails (and is
+    retried); TensorStore's default is 60 s. There is no kvstore spec or context option for
+    it (TensorStore 0.1.86): its curl transport reads the environment variable once, at the
+    first HTTP request of the process. So it is set here, when an S3 or GCS location is
+    first opened (before any request of it), not at import: a process that never opens an
+    object store keeps its environment, and a value the user set is kept."""
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "20")
 
 
 def kvstore_spec(url: str | os.PathLike, options: StorageOptions | None = None) -> dict[str, Any]:
@@ -337,8 +344,8 @@ def in_memory_array(data: np.ndarray) -> ts.TensorStore:
     return ts.array(np.ascontiguousarray(data), write=False)
 
 
-class Array:
-    """An open Zarr v3 array: region writes and reads by global box."""
+class TensorStoreArray(Array):
+    """An open Zarr v3 array through TensorStore's zarr3 driver."""
 
     def __init__(self, store: ts.TensorStore, key: str) -> None:
         self._ts = store
@@ -348,51 +355,63 @@ class Array:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._ts.shape)
 
-    def _region(self, box: tuple[tuple[int, int], ...] | None) -> ts.TensorStore:
+    def _region(self, box: Box | None) -> ts.TensorStore:
         return self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
 
-    def write(self, box: tuple[tuple[int, int], ...], data: np.ndarray, *, stable: bool) -> ts.Future:
-        """Write ``data`` into ``box``. ``stable``: the caller keeps ``data`` unchanged until
-        the future completes, so TensorStore may use it without copying."""
+    def _write(self, box: Box, data: np.ndarray, stable: bool) -> ts.Future:
         return self._region(box).write(data, can_reference_source_data_indefinitely=stable)
 
-    def read_into(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> ts.Future:
-        """Read ``box`` straight into ``out`` (a possibly strided view), without a temporary."""
+    def _read_into(self, box: Box, out: np.ndarray) -> ts.Future:
         return ts.array(out, copy=False, write=True).write(self._region(box))
 
-    def read(self, box: tuple[tuple[int, int], ...] | None = None) -> ts.Future:
+    def _read(self, box: Box | None) -> ts.Future:
         return self._region(box).read()
 
 
-class Storage:
-    """A checkpoint directory (or key prefix) on some kvstore."""
+class TensorStoreStorage(_base.Storage):
+    """A checkpoint directory (or key prefix) on a TensorStore kvstore; local chunk files
+    of uncompressed arrays and small objects are written directly (``chunk_io``, ``put``)."""
 
     def __init__(self, url: str | os.PathLike, options: StorageOptions | None = None, *,
                  spec: dict[str, Any] | None = None) -> None:
-        self.url = os.fspath(url)
-        self.options = options or StorageOptions()
-        self.spec = spec if spec is not None else kvstore_spec(url, self.options)
-        self.context = self.options.context()
+        self._url = os.fspath(url)
+        self._options = options or StorageOptions()
+        self._spec = spec if spec is not None else kvstore_spec(url, self._options)
+        if self._spec["driver"] in ("s3", "gcs"):
+            _before_first_http_request()
+        self._context = self._options.context()
         self._kv: ts.KvStore | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
 
     @property
-    def kv(self) -> ts.KvStore:
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def options(self) -> StorageOptions:
+        return self._options
+
+    @property
+    def _kvstore(self) -> ts.KvStore:
         if self._kv is None:
             try:
-                self._kv = ts.KvStore.open(self.spec, context=self.context).result()
+                self._kv = ts.KvStore.open(self._spec, context=self._context).result()
             except ValueError as e:
                 raise storage_error(f"cannot open {self.url!r}", e) from e
         return self._kv
 
+    def identity(self) -> dict[str, Any]:
+        """The kvstore spec without credentials and region (how each rank reaches it)."""
+        return {k: v for k, v in self._spec.items() if k not in ("aws_credentials", "aws_region")}
+
     @property
     def local_path(self) -> str | None:
-        return self.spec["path"] if self.spec["driver"] == "file" else None
+        return self._spec["path"] if self._spec["driver"] == "file" else None
 
     @property
     def is_object_store(self) -> bool:
         """S3 or GCS: a failing request is retried (``request_retries``) before it fails."""
-        return self.spec["driver"] in ("s3", "gcs")
+        return self._spec["driver"] in ("s3", "gcs")
 
     @property
     def can_rename(self) -> bool:
@@ -408,70 +427,56 @@ class Storage:
     # ---- documents ----------------------------------------------------------
 
     def read_bytes(self, key: str) -> tuple[bytes | None, bytes]:
-        """(the bytes at ``key`` or None, their storage generation for conditional writes)."""
         try:
-            r = self.kv.read(key).result()
+            r = self._kvstore.read(key).result()
         except ValueError as e:
             raise storage_error(f"reading {self.url}/{key}", e) from e
         return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
-    def read_json(self, key: str) -> dict[str, Any] | None:
-        """The JSON document at ``key``, or None if absent."""
-        data, _ = self.read_bytes(key)
-        if data is None:
-            return None
+    def read_if_changed(self, key: str, generation: bytes) -> tuple[bytes | None, bytes] | None:
         try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise FormatError(f"{self.url}/{key} is not valid JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise FormatError(f"{self.url}/{key}: expected a JSON object")
-        return doc
+            r = self._kvstore.read(key, if_not_equal=generation).result()
+        except ValueError as e:
+            raise storage_error(f"reading {self.url}/{key}", e) from e
+        if r.state == "unspecified":  # the same generation
+            return None
+        return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
+
+    def get(self, key: str) -> cf.Future:
+        return _then(self._kvstore.read(key), lambda r: bytes(r.value) if r.state == "value" else None,
+                     lambda e: storage_error(f"reading {self.url}/{key}", e) if isinstance(e, ValueError) else e)
 
     def write_atomic(self, key: str, data: bytes, *, if_equal: bytes | None = None) -> bool:
-        """Write one document so readers see the old or the new bytes, never a mix
-        (TensorStore's write-then-rename). ``if_equal``: only if the key still has this
-        generation (``b""``: any). Returns False when that condition failed."""
+        """TensorStore's write-then-rename (file) or conditional PUT (object stores)."""
         try:
-            stamp = self.kv.write(key, data, if_equal=if_equal or None).result()
+            stamp = self._kvstore.write(key, data, if_equal=if_equal or None).result()
         except ValueError as e:
             raise storage_error(f"writing {self.url}/{key}", e) from e
         return bool(stamp.generation) or not if_equal
 
     def put(self, key: str, data: bytes) -> Any:
-        """Write one small object; returns a future. On a local file system this is a plain
-        file write from a small thread pool: TensorStore's file kvstore spends ~0.5 ms per
-        object (temp file + rename), 5-7x more than the write itself, which dominates
-        checkpoints of thousands of small tensors. Files written this way are not atomic,
-        which is safe here: nothing is read before the commit, whose root write is atomic."""
+        """On a local file system this is a plain file write from a small thread pool:
+        TensorStore's file kvstore spends ~0.5 ms per object (temp file + rename), 5-7x more
+        than the write itself, which dominates checkpoints of thousands of small tensors."""
         path = self.local_path
         if path is None:
-            return self.kv.write(key, data)
+            return self._kvstore.write(key, data)
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="zarrckpt-put")
         return self._pool.submit(_put_file, os.path.join(path, key), data, self.options.fsync == "each")
 
-    def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray) -> Any:
-        """Encode one whole chunk with the codec chain ``[bytes(little), crc32c]`` and put it
-        (the small-array fast path; see :meth:`put`). Key: Zarr v3 default encoding, '/'."""
-        raw = np.ascontiguousarray(data)
-        if sys.byteorder != "little" and raw.dtype.itemsize > 1:  # pragma: no cover
-            raw = raw.byteswap()
-        raw = raw.tobytes()
-        chunk_key = "/".join(["c", *map(str, index)])
-        return self.put(f"{array_key}/{chunk_key}", raw + google_crc32c.value(raw).to_bytes(4, "little"))
-
     def flush(self) -> None:
-        """Make every completed local write durable (``fsync="end"``): one syncfs call."""
+        """Local files (``fsync="end"``): one syncfs call. Object stores: a completed PUT
+        is durable already."""
         path = self.local_path
         if path is None or self.options.fsync != "end":
-            return  # object stores: a completed PUT is durable
+            return
         try:
             _syncfs(path)
         except OSError as e:
             raise storage_error(f"making {self.url!r} durable", e) from e
 
-    # ---- the location as a whole ------------------------------------------------
+    # ---- listing ------------------------------------------------------------------
 
     def is_empty(self) -> bool:
         path = self.local_path
@@ -480,7 +485,7 @@ class Storage:
                 if os.path.lexists(path.rstrip("/")) and not os.path.isdir(path):
                     return False  # a file, a FIFO ...: not ours
                 return not os.path.exists(path) or not os.listdir(path)
-            return not self.kv.list(ts.KvStore.KeyRange("", "")).result()
+            return not self._kvstore.list(ts.KvStore.KeyRange("", "")).result()
         except (OSError, ValueError) as e:
             raise storage_error(f"listing {self.url!r}", e) from e
 
@@ -488,8 +493,28 @@ class Storage:
         path = self.local_path
         return os.path.lexists(path.rstrip("/")) if path is not None else not self.is_empty()
 
+    def list_children(self) -> list[str]:
+        """(Object stores list every key below the prefix to find them: cost grows with
+        the number of keys.)"""
+        path = self.local_path
+        try:
+            if path is not None:
+                return sorted(os.listdir(path)) if os.path.isdir(path) else []
+            keys = self._kvstore.list().result()
+        except (OSError, ValueError) as e:
+            raise storage_error(f"listing {self.url!r}", e) from e
+        return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys})
+
+    def list_keys(self) -> list[str]:
+        try:
+            keys = self._kvstore.list().result()
+        except ValueError as e:
+            raise storage_error(f"listing {self.url!r}", e) from e
+        return sorted(k.decode("utf-8", "replace") for k in keys)
+
+    # ---- the location as a whole ------------------------------------------------
+
     def clear(self, keep: tuple[str, ...] = ()) -> None:
-        """Delete everything under the checkpoint directory except the top-level ``keep``."""
         path = self.local_path
         try:
             if path is not None:
@@ -501,24 +526,12 @@ class Storage:
                         shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
                 return
             bounds = ["", *[b for k in sorted(keep) for b in (k, k + "\0")], ""]
-            futures = [self.kv.delete_range(ts.KvStore.KeyRange(lo, hi))
+            futures = [self._kvstore.delete_range(ts.KvStore.KeyRange(lo, hi))
                        for lo, hi in zip(bounds[::2], bounds[1::2])]
             for f in futures:
                 f.result()
         except (OSError, ValueError) as e:
             raise storage_error(f"clearing {self.url!r}", e) from e
-
-    def list_children(self) -> list[str]:
-        """Names directly under this directory or prefix, sorted. (Object stores list
-        every key below the prefix to find them: cost grows with the number of keys.)"""
-        path = self.local_path
-        try:
-            if path is not None:
-                return sorted(os.listdir(path)) if os.path.isdir(path) else []
-            keys = self.kv.list().result()
-        except (OSError, ValueError) as e:
-            raise storage_error(f"listing {self.url!r}", e) from e
-        return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys})
 
     def make_dir(self) -> None:
         path = self.local_path
@@ -528,25 +541,25 @@ class Storage:
             except OSError as e:
                 raise storage_error(f"creating {path!r}", e) from e
 
-    # ---- moving whole directories (local file systems only) ---------------------
+    def child(self, name: str) -> TensorStoreStorage:
+        return TensorStoreStorage(f"{self.url.rstrip('/')}/{name}", self.options)
 
-    def sibling(self, name: str) -> Storage:
-        """The directory ``name`` next to this one (same parent), with the same options."""
+    def sibling(self, name: str) -> TensorStoreStorage:
         path = self.local_path
-        assert path is not None, "siblings exist on local file systems only"
+        if path is None:
+            return super().sibling(name)
         parent = os.path.dirname(path.rstrip("/"))
-        return Storage(os.path.join(parent, name), self.options)
+        return TensorStoreStorage(os.path.join(parent, name), self.options)
 
     @property
     def name(self) -> str:
         path = self.local_path
-        return os.path.basename(path.rstrip("/")) if path is not None else self.url.rstrip("/").rsplit("/", 1)[-1]
+        return os.path.basename(path.rstrip("/")) if path is not None else super().name
 
     @contextlib.contextmanager
     def parent_lock(self) -> Iterator[None]:
-        """An exclusive lock (flock) on the parent directory, held for a few file-system
-        operations so that two savers' check-then-rename steps do not interleave. Where
-        the file system refuses locks on directories, no lock is taken."""
+        """An exclusive ``flock`` on the parent directory. Where the file system refuses
+        locks on directories, no lock is taken."""
         path = self.local_path
         if path is None:
             yield
@@ -568,11 +581,12 @@ class Storage:
         finally:
             os.close(fd)
 
-    def move_to(self, dst: Storage) -> Storage | None:
-        """Atomically put this directory at ``dst``'s path. If ``dst`` holds something, it
-        is swapped out (RENAME_EXCHANGE) and returned as a Storage at this directory's old
-        path, for the caller to delete; where exchange is unsupported, the old ``dst`` is
-        first renamed aside (a short window in which ``dst`` does not exist)."""
+    def move_to(self, dst: _base.Storage) -> _base.Storage | None:
+        """If ``dst`` holds something, it is swapped out (RENAME_EXCHANGE) and returned as
+        a location at this directory's old path; where exchange is unsupported, the old
+        ``dst`` is first renamed aside (a short window in which ``dst`` does not exist)."""
+        if self.local_path is None or dst.local_path is None:
+            return super().move_to(dst)
         src, to = self.local_path.rstrip("/"), dst.local_path.rstrip("/")
         try:
             if not os.path.lexists(to):
@@ -584,27 +598,33 @@ class Storage:
                 aside = src + "-old"  # named after this save, so cleaners know whose it is
                 os.rename(to, aside)
                 os.rename(src, to)
-                old = Storage(aside, self.options)
+                old = TensorStoreStorage(aside, self.options)
             _fsync_dir(os.path.dirname(to))
         except OSError as e:
             raise storage_error(f"moving {src!r} to {to!r}", e) from e
         return old
 
+    def _delete(self, key: str) -> None:
+        """Delete one key (absent: nothing to do); ``FaultStorage`` clears key by key."""
+        try:
+            self._kvstore.write(key, None).result()
+        except ValueError as e:
+            raise storage_error(f"deleting {self.url}/{key}", e) from e
+
     def remove(self) -> None:
-        """Delete the whole directory (local) or every key under the prefix."""
         path = self.local_path
         try:
             if path is not None:
                 shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else None
                 return
-            self.kv.delete_range(ts.KvStore.KeyRange("", "")).result()
+            self._kvstore.delete_range(ts.KvStore.KeyRange("", "")).result()
         except (OSError, ValueError) as e:
             raise storage_error(f"deleting {self.url!r}", e) from e
 
     # ---- arrays -------------------------------------------------------------
 
     def _array_spec(self, key: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
-        kv = dict(self.spec, path=self.spec["path"] + key.rstrip("/") + "/")
+        kv = dict(self._spec, path=self._spec["path"] + key.rstrip("/") + "/")
         spec: dict[str, Any] = {
             "driver": "zarr3",
             "kvstore": kv,
@@ -629,41 +649,59 @@ class Storage:
                           threads=self.options.file_io_concurrency, fsync=self.options.fsync == "each")
 
     def open_for_write(self, key: str, metadata: dict[str, Any]) -> Any:
-        """A future of the array (:class:`Array` or :class:`LocalArray`) whose ``zarr.json``
-        is (or will be) exactly ``metadata``: no I/O."""
+        """:class:`TensorStoreArray`, or :class:`LocalArray` (``chunk_io="direct"``)."""
         local = self._local_array(key, metadata)
         if local is not None:
             return _done(local)
         return _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
-                             context=self.context), key)
+                               context=self._context), key)
 
     def open_for_read(self, key: str, metadata: dict[str, Any]) -> Any:
-        """A future of the array, its metadata already read and validated by the caller: no I/O."""
         local = self._local_array(key, metadata)
         if local is not None:
             return _done(local)
         return _Opened(self.open_tensorstore(key, metadata), key)
 
     def open_tensorstore(self, key: str, metadata: dict[str, Any]) -> ts.Future:
-        """A future of the TensorStore handle of an array (lazy views: slicing, ``.read()``)."""
+        """A future of the TensorStore handle of an array (lazy views: slicing, ``.read()``).
+        Not part of :class:`Storage`: its readers are being moved onto one read primitive."""
         return ts.open(self._array_spec(key, metadata), open=True, read=True, assume_metadata=True,
-                       context=self.context)
+                       context=self._context)
+
+
+# The old name of TensorStoreStorage here, for tests that patch its methods
 
 
 class _Opened:
-    """``.result()`` of an array open: the TensorStore future's handle wrapped in :class:`Array`."""
+    """``.result()`` of an array open: the TensorStore future's handle wrapped in
+    :class:`TensorStoreArray`."""
 
     def __init__(self, future: Any, key: str) -> None:
         self._f, self._key = future, key
 
     def result(self, timeout: float | None = None) -> Array:
-        return Array(self._f.result(timeout=timeout), self._key)
+        return TensorStoreArray(self._f.result(timeout=timeout), self._key)
 
 
 def _done(value: Any) -> cf.Future:
     f: cf.Future = cf.Future()
     f.set_result(value)
     return f
+
+
+def _then(future: Any, value: Callable[[Any], Any], error: Callable[[BaseException], BaseException]) -> cf.Future:
+    """A future of ``value(future.result())``, failing with ``error(e)`` where it fails."""
+    out: cf.Future = cf.Future()
+
+    def done(f: Any) -> None:
+        try:
+            result = f.result()
+        except BaseException as e:  # noqa: BLE001 - handed to the future
+            out.set_exception(error(e))
+            return
+        out.set_result(value(result))
+    future.add_done_callback(done)
+    return out
 
 
 def io_counters() -> dict[str, int]:

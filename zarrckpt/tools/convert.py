@@ -69,8 +69,8 @@ from ..interop import common as cm
 from ..storage import StorageOptions
 
 __all__ = [
-    "FORMATS",
     "ConversionReport",
+    "FORMATS",
     "Progress",
     "convert",
     "detect_format",

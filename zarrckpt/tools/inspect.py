@@ -57,20 +57,20 @@ from ..format import documents as fmt
 from ..engine.commit import Leftover, clean_leftovers
 from ..readers.lazy import placement_str
 from ..readers.verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
-from ..readers.walk import JsonReport, Progress, ProgressFn, boxes, json_text, json_values, parallel, raw_root, read_box
+from ..readers.walk import JsonReport, Progress, ProgressFn, boxes, json_text, json_values, parallel, raw_root
 from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, MissingKeysError, ZarrckptError
-from ..api.manager import _STEP as _STEP_DIR  # the CheckpointManager's naming rule: step_<N>
 from ..readers.checkpoint import Checkpoint
-from ..storage import Storage, StorageOptions
+from ..storage import StorageOptions, open_storage
 
 __all__ = [
-    "DEFAULT_JOBS",
-    "DEFAULT_MAX_READ_BYTES",
     "CheckpointInfo",
     "CheckpointStats",
+    "DEFAULT_JOBS",
+    "DEFAULT_MAX_READ_BYTES",
     "DiffReport",
     "LeafDiff",
     "LeafInfo",
+    "Leftover",
     "Listing",
     "MeshInfo",
     "Problem",
@@ -298,7 +298,7 @@ def info(path: str | os.PathLike, *, keys: str | Iterable[str] | None = None,
     try:
         ck = Checkpoint(path, storage)
     except IncompleteCheckpointError:
-        st = Storage(path, storage)
+        st = open_storage(path, storage)
         attrs = raw_root(st) or {}
         return CheckpointInfo(st.url, "pending", version=attrs.get("version"), save_id=attrs.get("save_id"),
                               created=attrs.get("created"), world_size=attrs.get("world_size"),
@@ -363,8 +363,8 @@ def _run_step(url: str, saved_step: int | None) -> int | None:
     """The step of the checkpoint at ``url`` in its run (``ls``, ``stats``): ``N`` when its
     name is a CheckpointManager step directory ``step_<N>``, whatever it records, else
     ``saved_step`` (what it records), else None."""
-    m = _STEP_DIR.fullmatch(os.fspath(url).rstrip("/").rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else saved_step
+    step = fmt.parse_step_name(os.fspath(url).rstrip("/").rsplit("/", 1)[-1])
+    return saved_step if step is None else step
 
 
 def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: bool = True,
@@ -376,7 +376,7 @@ def ls(url: str | os.PathLike, *, storage: StorageOptions | None = None, sizes: 
     ``nbytes``. Raises :class:`CheckpointNotFoundError` when there is no checkpoint there
     at all."""
     root = os.fspath(url)
-    st = Storage(root, storage)
+    st = open_storage(root, storage)
     if st.local_path is not None and os.path.isfile(st.local_path.rstrip("/")):
         raise CheckpointNotFoundError(f"{root!r} is a file, not a checkpoint or a directory of checkpoints")
     if st.read_bytes("zarr.json")[0] is not None:
@@ -400,7 +400,7 @@ def leftovers(url: str | os.PathLike, *, storage: StorageOptions | None = None) 
     ``live``: the save still runs. For a checkpoint itself, the leftovers of its name in
     its parent directory. ``[]`` on object stores (no lock tells a dead save from a
     running one there) and where ``url`` is not a directory."""
-    path = Storage(os.fspath(url), storage).local_path
+    path = open_storage(os.fspath(url), storage).local_path
     if path is None or not os.path.isdir(path):
         return []
     path = path.rstrip("/") or "/"
@@ -411,7 +411,7 @@ def leftovers(url: str | os.PathLike, *, storage: StorageOptions | None = None) 
 
 
 def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -> Listing | None:
-    st = Storage(url, storage)
+    st = open_storage(url, storage)
     if st.local_path is not None and not os.path.isdir(st.local_path):
         return None
     try:
@@ -572,10 +572,9 @@ def _diff_array(ca: Checkpoint, cb: Checkpoint, key: str, ia: fmt.ArrayInfo, ib:
         d.status = "shape"
         return d
     same_dtype = ia.dtype == ib.dtype
-    ha, hb = ca.tensorstore(key), cb.tensorstore(key)
     max_abs = max_rel = 0.0
     for box in boxes(ia, budget):
-        xa, xb = read_box(ha, box, key), read_box(hb, box, key)
+        xa, xb = ca.read_box(key, box), cb.read_box(key, box)
         if same_dtype:
             ne = (_bit_rows(xa) != _bit_rows(xb)).any(axis=1).reshape(xa.shape)
             if not ne.any():
@@ -717,9 +716,8 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
     def one(item: tuple[int, Checkpoint, str, fmt.ArrayInfo]) -> TensorStats:
         _, ck, k, a = item
         acc = _Moments()
-        h = ck.tensorstore(k)
         for box in boxes(a, max_read_bytes):
-            acc.add(read_box(h, box, k))
+            acc.add(ck.read_box(k, box))
         return acc.result(k, a)
 
     found: dict[tuple[int, str], TensorStats] = {}
