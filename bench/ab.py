@@ -44,8 +44,9 @@ def run(tree: str, args: list[str], out: str, tag: str) -> dict:
         i = args.index("--dir") + 1
         args[i] = f"{args[i].rstrip('/')}-{tag}"
     env = dict(os.environ, PYTHONPATH=tree)
-    # the benchmark script of the newer tree drives both, so both run the same harness
-    cmd = [sys.executable, os.path.join(HERE, "bench.py"), *args, "--out", out]
+    # each tree's own bench.py (its planning section imports that tree's internals); check
+    # with `git diff A B -- bench/` that the harness did not change between the two
+    cmd = [sys.executable, os.path.join(tree, "bench", "bench.py"), *args, "--out", out]
     print("+", f"PYTHONPATH={tree}", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=env, cwd=tree)
     with open(out) as f:
@@ -78,9 +79,10 @@ def main() -> None:
     ap.add_argument("b")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out-dir", default=os.path.join(HERE, "out", "ab-" + datetime.datetime.now().strftime("%H%M%S")))
-    ap.add_argument("bench", nargs=argparse.REMAINDER)
-    opts = ap.parse_args()
-    bench_args = opts.bench[1:] if opts.bench[:1] == ["--"] else opts.bench
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts = ap.parse_args(argv[:cut])
+    bench_args = argv[cut + 1:]
     os.makedirs(opts.out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="zarrckpt-ab-")
     trees = {"A": worktree(opts.a, where), "B": worktree(opts.b, where)}
