@@ -166,7 +166,15 @@ def test_good_documents_are_accepted():
     future = dict(good_root_11(), version="1.7", future_member={"x": 1})
     future["digests"]["future"] = 1
     assert_valid("rootAttributes", future)  # §10: later minor versions add members
-    parse_root(seal(future))
+    array = {"zarr_format": 3, "node_type": "array"}
+    doc = dict(root_document(future), consolidated_metadata={  # required from 1.2 (§6.7)
+        "kind": "inline", "must_understand": False,
+        "metadata": {".packs": {"zarr_format": 3, "node_type": "group"}, ".packs/0": array, "w": array}})
+    future["digests"]["root"] = fmt.ZERO_DIGEST
+    future["digests"]["root"] = fmt.sha256_hex(fmt.encode_document(doc))
+    assert set(fmt.parse_root_bytes(fmt.encode_document(doc), "mem://ckpt").consolidated) == {".packs", ".packs/0", "w"}
+    with pytest.raises(errors.FormatError, match="consolidated_metadata"):
+        parse_root(seal(future))  # the same root without it
     for save_id in ("0" * 16, "f" * 64, "1f1c246b27834679a6cdb39815b19fe8"):  # §6.1: 16 to 64 digits
         assert_valid("rootAttributes", dict(good_root(), save_id=save_id))
         parse_root(dict(good_root(), save_id=save_id))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import zarrckpt
+import zarrckpt.inspect
 from zarrckpt import errors
 from zarrckpt.format import documents as fmt
 
@@ -41,6 +42,21 @@ def small_state() -> dict:
 def saved(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("integrity") / "ckpt"
     zarrckpt.save(small_state(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved_v11(saved, tmp_path_factory) -> Path:
+    """``saved`` as a 1.1 checkpoint (no consolidated metadata, spec §6.7): its readers read
+    and digest-check every array ``zarr.json`` (§6.6), which 1.2 readers take from the root."""
+    path = copy_of(saved, tmp_path_factory.mktemp("integrity11") / "ckpt")
+    doc = json.loads((path / "zarr.json").read_bytes())
+    del doc["consolidated_metadata"]
+    attrs = doc["attributes"]["zarrckpt"]
+    attrs["version"] = "1.1"
+    attrs["digests"]["root"] = fmt.ZERO_DIGEST
+    attrs["digests"]["root"] = fmt.sha256_hex(fmt.encode_document(doc))
+    (path / "zarr.json").write_bytes(fmt.encode_document(doc))
     return path
 
 
@@ -67,7 +83,7 @@ def read_everything(path: Path) -> None:
 
 def test_committed_root_records_digests_of_every_array_and_itself(saved):
     attrs = root_attrs(saved)
-    assert attrs["version"] == fmt.FORMAT_VERSION == "1.1"
+    assert attrs["version"] == fmt.FORMAT_VERSION == "1.2"
     digests = attrs["digests"]
     assert digests["algorithm"] == "sha256"
     assert set(digests["arrays"]) == {"big", ".packs/0"} and attrs["num_arrays"] == 2
@@ -131,7 +147,8 @@ def test_bit_flips_of_the_root_fail_open_on_storage(saved, tmp_path):
             read_everything(path)
 
 
-def test_every_bit_flip_of_an_array_zarr_json_is_refused(saved, tmp_path):
+def test_every_bit_flip_of_an_array_zarr_json_is_refused(saved_v11, tmp_path):
+    saved = saved_v11
     path = copy_of(saved, tmp_path / "c")
     for array, key in (("big", "big"), (".packs/0", "model/w")):
         raw = (saved / array / "zarr.json").read_bytes()
@@ -145,11 +162,24 @@ def test_every_bit_flip_of_an_array_zarr_json_is_refused(saved, tmp_path):
     read_everything(path)
 
 
-@pytest.mark.parametrize("edit", ["shape", "step", "offset", "digest", "version", "drop digests"])
-def test_the_edits_of_issue_7_are_caught(saved, tmp_path, edit):
-    """A shape [20000] -> [19000], a value 1000 -> 1001, a packed offset, a recorded digest,
-    the version, the digests themselves: each is an error, naming what changed."""
+def test_a_1_2_reader_takes_array_metadata_from_the_root_and_verify_checks_the_documents(saved, tmp_path):
+    """Format 1.2 (spec §6.7): an edited array zarr.json changes nothing zarrckpt returns
+    (the metadata comes from the root, under its digest), and verify reports the document."""
     path = copy_of(saved, tmp_path / "c")
+    f = path / "big" / "zarr.json"
+    f.write_bytes(f.read_bytes().replace(b'"shape":[20000]', b'"shape":[19000]'))
+    assert zarrckpt.open(path)["big"].shape == (20000,)
+    read_everything(path)
+    report = zarrckpt.inspect.verify(path)
+    assert [(p.kind, p.array) for p in report.problems] == [("digest", "big")]
+
+
+@pytest.mark.parametrize("edit", ["shape", "step", "offset", "digest", "version", "drop digests"])
+def test_the_edits_of_issue_7_are_caught(saved_v11, tmp_path, edit):
+    """A shape [20000] -> [19000], a value 1000 -> 1001, a packed offset, a recorded digest,
+    the version, the digests themselves: each is an error, naming what changed (a 1.1
+    checkpoint: the array zarr.json is read; 1.2 readers take it from the root)."""
+    path = copy_of(saved_v11, tmp_path / "c")
     root = (path / "zarr.json").read_bytes()
     if edit == "shape":
         f = path / "big" / "zarr.json"
@@ -170,8 +200,8 @@ def test_the_edits_of_issue_7_are_caught(saved, tmp_path, edit):
     assert isinstance(ei.value, errors.FormatError)
 
 
-def test_in_place_load_verifies_digests(saved, tmp_path):
-    path = copy_of(saved, tmp_path / "c")
+def test_in_place_load_verifies_digests(saved_v11, tmp_path):
+    path = copy_of(saved_v11, tmp_path / "c")
     f = path / "big" / "zarr.json"
     f.write_bytes(f.read_bytes().replace(b'"fill_value":0', b'"fill_value":1'))
     target = small_state()
@@ -243,11 +273,11 @@ def test_hostile_trees_are_refused_at_open(saved, tmp_path, name, change, match)
         read_everything(path)
 
 
-def test_hostile_array_documents_are_refused_when_read(saved, tmp_path):
+def test_hostile_array_documents_are_refused_when_read(saved_v11, tmp_path):
     """A resealed checkpoint whose array zarr.json is hostile: a list, or attributes that are
     not an object (the digest matches: a hostile writer, not damage)."""
     for bad in ([1, 2], {"zarr_format": 3, "node_type": "array", "attributes": 5}):
-        path = copy_of(saved, tmp_path / f"c{len(str(bad))}")
+        path = copy_of(saved_v11, tmp_path / f"c{len(str(bad))}")
         data = fmt.encode_document(bad) if isinstance(bad, dict) else json.dumps(bad).encode()
         (path / "big" / "zarr.json").write_bytes(data)
         rewrite_root(path, lambda a: a["digests"]["arrays"].update(big=fmt.sha256_hex(data)))

@@ -57,6 +57,7 @@ __all__ = [
     "array_attrs",
     "array_metadata",
     "check_array_digest",
+    "consolidated_metadata",
     "check_metadata",
     "check_shape",
     "chunk_key",
@@ -88,7 +89,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zarrckpt"
-FORMAT_VERSION = "1.1"  # major.minor; readers refuse another major (spec §10)
+FORMAT_VERSION = "1.2"  # major.minor; readers refuse another major (spec §9)
 ATTR = "zarrckpt"  # the attributes member holding zarrckpt's metadata
 PACKS = ".packs"  # group of pack arrays; no escaped key starts with "." (spec §4)
 DIGEST_ALGORITHM = "sha256"
@@ -433,6 +434,16 @@ def group_paths(keys: Iterable[str]) -> list[str]:
     return sorted({key.rsplit("/", i)[0] for key in keys for i in range(1, key.count("/") + 1)})
 
 
+def consolidated_metadata(array_docs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The root's ``consolidated_metadata`` (spec §6.7; zarr-python's form): every node
+    below the root by its path, sorted (the intermediate groups, and the arrays ``array_docs``
+    with their documents exactly as written), so that one read of the root lists and opens
+    the whole hierarchy."""
+    nodes: dict[str, Any] = {g: group_metadata() for g in group_paths(array_docs)}
+    nodes.update((path, dict(doc)) for path, doc in array_docs.items())
+    return {"kind": "inline", "must_understand": False, "metadata": dict(sorted(nodes.items()))}
+
+
 def with_packed_nodes(tree: dict, nodes: Mapping[str, dict]) -> dict:
     """The ``tree`` document (spec §6.2) with the ``{"array": key}`` leaves of packed keys
     swapped for their ``{"packed": ...}`` nodes (``nodes``: key -> node, spec §6.5)."""
@@ -518,6 +529,7 @@ def root_metadata(
         "arrays": {path: sha256_hex(encode_document(array_docs[path])) for path in sorted(array_docs)},
     }
     doc = group_metadata(attrs)
+    doc["consolidated_metadata"] = consolidated_metadata(array_docs)
     attrs["digests"]["root"] = sha256_hex(encode_document(doc))
     return doc
 
@@ -573,6 +585,7 @@ class RootInfo:
     arrays: frozenset = frozenset()  # array paths: array nodes and the packs named
     array_digests: Mapping[str, str] | None = None  # array path -> SHA-256 (1.1 and later)
     metadata: dict[str, Any] | None = None  # the caller's metadata object (1.1 and later)
+    consolidated: Mapping[str, Any] | None = None  # node path -> its zarr.json (1.2 and later)
 
 
 @dataclass(frozen=True)
@@ -706,8 +719,33 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
                 f"{where}: digests.arrays does not list exactly the arrays of the tree"
                 + (f"; not in the tree: {extra[:5]}" if extra else "")
                 + (f"; without a digest: {missing[:5]}" if missing else ""))
+    consolidated = _parse_consolidated(doc.get("consolidated_metadata"), paths, minor, where)
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
-                    tuple(leaves), frozenset(paths), array_digests, metadata)
+                    tuple(leaves), frozenset(paths), array_digests, metadata, consolidated)
+
+
+def _parse_consolidated(cm: Any, paths: set[str], minor: int, where: str) -> dict[str, Any] | None:
+    """The root's ``consolidated_metadata`` (spec §6.7): REQUIRED from 1.2, and then exactly
+    the checkpoint's arrays and their intermediate groups; each array entry is parsed
+    (:func:`parse_array`) when it is used, like the document it stands for."""
+    if cm is None:
+        _need(minor < 2, where, "a committed root of version 1.2 or later must carry consolidated_metadata")
+        return None
+    _need(isinstance(cm, dict) and cm.get("kind") == "inline" and cm.get("must_understand") is False
+          and isinstance(cm.get("metadata"), dict), where,
+          'consolidated_metadata must be {"kind": "inline", "must_understand": false, "metadata": {...}}')
+    nodes = cm["metadata"]
+    groups = set(group_paths(paths))
+    if set(nodes) != paths | groups:
+        extra, missing = sorted(set(nodes) - paths - groups), sorted(paths | groups - set(nodes))
+        raise FormatError(f"{where}: consolidated_metadata does not list exactly the checkpoint's arrays and "
+                          "groups" + (f"; not in the tree: {extra[:5]}" if extra else "")
+                          + (f"; missing: {missing[:5]}" if missing else ""))
+    for path, node in nodes.items():
+        kind = "array" if path in paths else "group"
+        _need(isinstance(node, dict) and node.get("node_type") == kind and node.get("zarr_format") == 3, where,
+              f"consolidated_metadata entry {path!r} must be the {kind} document of {path!r}")
+    return nodes
 
 
 def _check_root_digest(raw: bytes, claimed: str, where: str) -> None:

@@ -423,6 +423,9 @@ class Checkpoint(CheckpointView):
             if "array" not in node:
                 raise KeyError(f"{k!r} is a value, not an array")
             self._check_files(k, k)
+            if self.info.consolidated is not None:  # one read of the root was all (spec §6.7)
+                self._arrays[k] = self._parse_entry(k, k, pack=False)
+                continue
             futures.append((k, self.storage.get(f"{k}/zarr.json")))
         for k, f in futures:
             self._arrays[k] = self._parse_array(k, k, _result_bytes(f, f"{self.url}/{k}/zarr.json"),
@@ -435,6 +438,11 @@ class Checkpoint(CheckpointView):
             fmt.check_array_digest(self.info, path, data, key)
             doc = fmt.decode_document(data, f"array {key!r}: {path}/zarr.json")
         return fmt.parse_array(doc, key, self.info.save_id, path=path, pack=pack)
+
+    def _parse_entry(self, key: str, path: str, *, pack: bool) -> fmt.ArrayInfo:
+        """The array at ``path`` from the root's consolidated metadata (spec §6.7): the
+        root's digest covers it, so no other document is read."""
+        return fmt.parse_array(self.info.consolidated[path], key, self.info.save_id, path=path, pack=pack)
 
     def _read_document(self, key: str, what: str) -> tuple[bytes | None, bytes]:
         """(the document's bytes or None, their storage generation)."""
@@ -522,8 +530,11 @@ class Checkpoint(CheckpointView):
                 raise KeyError(self._no_key(path))
             key = leaf or path
             self._check_files(path, key)
-            data = self._read_document(f"{path}/zarr.json", f"pack of {key!r}")[0]
-            info = self._arrays[path] = self._parse_array(key, path, data, pack=True)
+            if self.info.consolidated is not None:
+                info = self._arrays[path] = self._parse_entry(key, path, pack=True)
+            else:
+                data = self._read_document(f"{path}/zarr.json", f"pack of {key!r}")[0]
+                info = self._arrays[path] = self._parse_array(key, path, data, pack=True)
         return info
 
     @functools.cached_property

@@ -1,7 +1,8 @@
 """``verify``: every document, chunk and checksum of a checkpoint, damage reported, not raised.
 
 In order: the root (strict parsing, its own digest, committed), every array ``zarr.json``
-(a regular file, present, its SHA-256 as the root records it, valid per spec §5), the
+(a regular file, present, its SHA-256 as the root records it, valid per spec §5, equal to
+its entry in the root's consolidated metadata), the
 ranges of packed leaves within their packs, one listing of the store to find every chunk
 (shard) object the chunk grid needs (a missing one is reported without reading it: a
 generic Zarr reader would return fill values for it), then every stored chunk read
@@ -39,7 +40,7 @@ DEFAULT_JOBS = 4
 class Problem(JsonReport):
     """One thing wrong. ``kind``: ``uncommitted``, ``root`` (the root document),
     ``digest`` (a document that does not match its SHA-256), ``metadata`` (an array
-    document that breaks the spec), ``missing`` (a document, chunk or inner chunk absent),
+    document that breaks the spec, or differs from the root's consolidated entry), ``missing`` (a document, chunk or inner chunk absent),
     ``checksum`` (a chunk or shard index failing its CRC-32C, a truncated chunk),
     ``unreadable`` (any other read failure), ``pack`` (a packed leaf outside its pack),
     ``changed`` (the checkpoint was replaced during the check). ``array``: the array path
@@ -182,6 +183,10 @@ def _check_documents(ck: Checkpoint, targets: list[_Target], report: VerifyRepor
                 continue
             t.info = ck._parse_array(t.keys[0] if not t.pack else t.path, t.path, data, pack=t.pack)
             ck._arrays[t.path] = t.info  # what the read primitive reads it by
+            cons = ck.info.consolidated
+            if cons is not None and fmt.decode_document(data, t.path) != cons[t.path]:
+                report.problems.append(Problem("metadata", "its zarr.json differs from its entry in the root's "
+                                               "consolidated_metadata (spec §6.7)", t.path, t.keys))
         except IntegrityError as e:
             report.problems.append(Problem("digest", str(e), t.path, t.keys))
         except FormatError as e:
