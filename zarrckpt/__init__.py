@@ -122,12 +122,15 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
       rank (default 64 KiB; 0 stores every leaf as its own Zarr array, for generic Zarr tools).
     * ``replica_split_bytes``: replicated tensors at least this big are written by
       several replicas, each a part (default 64 MiB; None: one writer).
+    * ``chunk_target_bytes``: a chunk of a DTensor/ShardedTensor groups whole neighbouring
+      shards until it holds this many bytes (default None: one chunk per shard); at 1,024
+      ranks, small shards make a few objects per array instead of 1,024.
     * ``max_staging_bytes``: host memory for copying GPU tensors out (default 1 GiB).
     * ``max_inflight_bytes``: bytes being written at once (default 256 MiB).
     * ``storage``: a :class:`StorageOptions` (threads, fsync, object-store endpoint, retries).
 
     Every rank must pass the same ``path``, ``overwrite``, ``compression``,
-    ``inner_chunk_bytes``, ``pack_bytes`` and ``replica_split_bytes``: ranks that disagree
+    ``inner_chunk_bytes``, ``pack_bytes``, ``replica_split_bytes`` and ``chunk_target_bytes``: ranks that disagree
     are refused before anything is written.
 
     The checkpoint becomes visible only once complete. On a local file system it is

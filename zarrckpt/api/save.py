@@ -79,12 +79,18 @@ class SaveOptions:
     pack_bytes: plain (non-DTensor) leaves up to this size are packed into one array
         per rank instead of one array each (0 disables packing; use 0 for checkpoints
         meant for generic Zarr readers, which do not see packed leaves).
+    chunk_target_bytes: chunks of DTensors and ShardedTensors group whole neighbouring
+        shards until a chunk holds at least this many bytes (None, the default: one chunk
+        per shard). Fewer, larger objects: at 1,024 ranks an array of small shards is one or
+        two objects instead of 1,024. The other ranks send their shards of such a chunk to
+        its writer first (over NCCL on GPUs, before any device-to-host copy); inner chunks
+        stay within one shard, so loads on another layout still read only what they need.
     storage: TensorStore settings (concurrency, fsync, object-store retries).
     entry_timeout: seconds every rank waits at the start of the save for the others to
         call it too, before it raises a DistributedError naming the ranks that did not
         (None: ``ZARRCKPT_ENTRY_TIMEOUT`` or 300 s; never more than the group's timeout).
 
-    compression, inner_chunk_bytes, replica_split_bytes and pack_bytes decide what
+    compression, inner_chunk_bytes, replica_split_bytes, pack_bytes and chunk_target_bytes decide what
     lands on storage: every rank must pass the same values (ranks that disagree are
     refused before anything is written).
     """
@@ -94,6 +100,7 @@ class SaveOptions:
     replica_split_bytes: int | None = 64 << 20
     max_staging_bytes: int = 1 << 30
     pack_bytes: int = 64 << 10
+    chunk_target_bytes: int | None = None
     max_inflight_bytes: int = 256 << 20
     storage: StorageOptions = field(default_factory=StorageOptions)
     entry_timeout: float | None = None
@@ -105,6 +112,9 @@ class SaveOptions:
             raise TypeError(f"unknown save option(s): {', '.join(sorted(unknown))}")
         opts = cls(**options)
         fmt.compression_codec(opts.compression)  # validates
+        if opts.chunk_target_bytes is not None and (
+                not isinstance(opts.chunk_target_bytes, int) or opts.chunk_target_bytes < 1):
+            raise ValueError(f"chunk_target_bytes must be an int >= 1 or None, not {opts.chunk_target_bytes!r}")
         for name in ("inner_chunk_bytes", "max_staging_bytes", "max_inflight_bytes"):
             if not isinstance(getattr(opts, name), int) or getattr(opts, name) <= 0:
                 raise ValueError(f"{name} must be a positive int, not {getattr(opts, name)!r}")
@@ -118,7 +128,7 @@ class SaveOptions:
     @property
     def plan(self) -> PlanOptions:
         return PlanOptions(self.compression, self.inner_chunk_bytes, self.replica_split_bytes,
-                           self.pack_bytes)
+                           self.pack_bytes, self.chunk_target_bytes)
 
 
 class SaveRun:
@@ -217,7 +227,7 @@ class SaveRun:
             raise SaveFailedError(
                 "ranks disagree on the path or on options that decide what is stored (every rank "
                 "must pass the same path, overwrite, compression, inner_chunk_bytes, "
-                "replica_split_bytes and pack_bytes): "
+                "replica_split_bytes, pack_bytes and chunk_target_bytes): "
                 + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
         self.created = fmt.utc_from_us(ids[2])

@@ -304,11 +304,16 @@ def array_metadata(
     dimension_names: list[str],
     compression: dict | None = None,
     inner_chunk_bytes: int = DEFAULT_INNER_CHUNK_BYTES,
+    cell_shape: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """The ``zarr.json`` of one array."""
+    """The ``zarr.json`` of one array. ``cell_shape``: a chunk groups whole shards of this
+    shape (spec Appendix C.1); its inner chunks then lie within one shard (C.2)."""
     check_shape(tuple(shape), dtype.numpy.itemsize, "array")
     inner_codecs = [_BYTES_CODEC] + ([compression] if compression else []) + [_CRC]
-    inner = inner_chunk_shape(chunk_shape, dtype.numpy.itemsize, inner_chunk_bytes)
+    if cell_shape is not None and tuple(cell_shape) != tuple(chunk_shape):
+        inner = inner_chunk_shape(tuple(cell_shape), dtype.numpy.itemsize, inner_chunk_bytes) or tuple(cell_shape)
+    else:
+        inner = inner_chunk_shape(chunk_shape, dtype.numpy.itemsize, inner_chunk_bytes)
     if inner is None:
         codecs = inner_codecs
     else:

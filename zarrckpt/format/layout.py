@@ -210,6 +210,7 @@ class Layout:
         *,
         key: str = "",
         replica_split_min_elems: int | None = None,
+        group_min_elems: int | None = None,
     ) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.mesh_shape = tuple(int(m) for m in mesh_shape)
@@ -243,6 +244,11 @@ class Layout:
         self.key_hash = zlib.crc32(key.encode())
         self.split: tuple[int, int] | None = None  # (dim, factor) of a replica split
         self.chunk_shape, self.aligned = self._grid(replica_split_min_elems)
+        # the longest run per dim (one shard when aligned); chunks may group several of them
+        self.cell_shape = self.chunk_shape
+        if group_min_elems is not None and self.split is None and all(self.aligned) and all(self.shape):
+            self.chunk_shape = self._grouped(group_min_elems)
+        self.grouped = self.chunk_shape != self.cell_shape
         self.grid_shape = tuple(
             -(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape)
         )
@@ -326,6 +332,24 @@ class Layout:
                     self.split = (d, k)
         return tuple(chunk), tuple(aligned)
 
+    def _grouped(self, want: int) -> tuple[int, ...]:
+        """Chunks of whole neighbouring cells (shards), grown along the sharded dims in
+        order until a chunk holds at least ``want`` elements or the dim holds no more whole
+        cells (spec Appendix C.1): fewer, larger objects for small shards, each still a
+        union of whole shards, so a shard's data is one box of one chunk."""
+        chunk = list(self.cell_shape)
+        elems = math.prod(chunk)
+        for d, cell in enumerate(self.cell_shape):
+            if elems >= want:
+                break
+            if not self.sharding[d]:
+                continue  # the cell spans the whole dim already
+            k = min(self.shape[d] // cell, -(-want // elems))
+            if k > 1:
+                chunk[d] = cell * k
+                elems *= k
+        return tuple(chunk)
+
     def chunk_box(self, index: Sequence[int]) -> Box:
         return tuple(
             (i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape)
@@ -380,7 +404,10 @@ class Layout:
                 out.update(zip(self.sharding[d], who))
             return out
 
-        main = [max(ps, key=lambda p: _len(p[0])) for ps in pieces_per_dim]
+        if self.grouped:  # equal cells: the writer rotates among them, by chunk and key
+            main = [_rotate(ps, pick) for ps in pieces_per_dim]
+        else:
+            main = [max(ps, key=lambda p: _len(p[0])) for ps in pieces_per_dim]
         writer = self._replica(sharded_coords(main), pick)
         sources = []
         for combo in itertools.product(*pieces_per_dim):
@@ -423,6 +450,13 @@ class Layout:
                     if src == coord:
                         sends.append(Send(index, writer, box))
         return writes, sends
+
+
+def _rotate(pieces: list[tuple[Run, tuple[int, ...]]], pick: int) -> tuple[Run, tuple[int, ...]]:
+    """Of the longest pieces, the one at ``pick`` modulo their number."""
+    longest = max(_len(p[0]) for p in pieces)
+    tied = [p for p in pieces if _len(p[0]) == longest]
+    return tied[pick % len(tied)]
 
 
 @functools.lru_cache(maxsize=4096)

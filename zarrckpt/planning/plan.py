@@ -42,6 +42,7 @@ class PlanOptions:
     inner_chunk_bytes: int
     replica_split_bytes: int | None
     pack_bytes: int
+    chunk_target_bytes: int | None = None  # group whole shards into chunks of at least this
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ def _split_elems(options: PlanOptions, dt: dtypes.DType) -> int | None:
     return None if split is None else max(split // dt.numpy.itemsize, 1)
 
 
+def _group_elems(options: PlanOptions, dt: dtypes.DType) -> int | None:
+    target = options.chunk_target_bytes
+    return None if target is None else max(target // dt.numpy.itemsize, 1)
+
+
 def _metadata(key: str, layout: Layout, dt: dtypes.DType, attrs: dict, options: PlanOptions) -> dict:
     leaf_name = key.rsplit("/", 1)[-1]
     return fmt.array_metadata(
@@ -100,6 +106,7 @@ def _metadata(key: str, layout: Layout, dt: dtypes.DType, attrs: dict, options: 
         dimension_names=[f"{leaf_name}.{d}" for d in range(len(layout.shape))],
         compression=fmt.compression_codec(options.compression),
         inner_chunk_bytes=options.inner_chunk_bytes,
+        cell_shape=layout.cell_shape if layout.grouped else None,
     )
 
 
@@ -147,7 +154,8 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: A
 
         def build() -> ArrayPlan:
             layout = Layout(tuple(leaf.shape), mesh_shape, placements, key=key,
-                            replica_split_min_elems=_split_elems(options, dt))
+                            replica_split_min_elems=_split_elems(options, dt),
+                            group_min_elems=_group_elems(options, dt))
             attrs = fmt.array_attrs(kind="dtensor", save_id="", dtype=dt, mesh_shape=mesh_shape,
                                     mesh_dim_names=names, placements=placements, device_type=device_type)
             return _plan(key, "dtensor", dt, layout, coord, mesh_ranks, attrs, None, options)
@@ -162,7 +170,8 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: A
         dt = checked_dtype(leaf.dtype, key)
         placements = (Shard(info.dim),) if leaf.dim() else (Replicate(),)
         layout = Layout(tuple(leaf.size()), (len(info.ranks),), placements, key=key,
-                        replica_split_min_elems=_split_elems(options, dt))
+                        replica_split_min_elems=_split_elems(options, dt),
+                        group_min_elems=_group_elems(options, dt))
         local = None
         if info.coord is not None:
             if info.local is None:  # an empty shard: torch keeps none

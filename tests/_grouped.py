@@ -1,0 +1,65 @@
+"""Rank functions of tests/test_grouped_chunks.py (run on 4 gloo ranks): DTensors of small
+shards saved with chunks that group whole shards (``chunk_target_bytes``), then loaded on
+other placements and meshes."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import torch
+
+import zarrckpt
+from _roundtrip import _local, _placements, bits
+
+# key: (shape, mesh shape, save placements, load mesh shape, load placements)
+SPECS = {
+    "model/emb": ((2048, 256), (4,), "S0", (2, 2), "S1,S0"),  # 512 KiB shards: one 2 MiB object
+    "model/w": ((4098, 128), (4,), "S0", (4,), "S1"),  # uneven: 3 shards of 1025 rows, then 1023
+    "model/tp": ((512, 512), (2, 2), "S0,S1", (4,), "S0"),  # 2-D: grouped along dim 0, then dim 1
+    "model/big": ((16384, 128), (4,), "S0", (4,), "S1"),  # 2 MiB shards: at the target alone
+    "model/bias": ((64,), (4,), "S0", (4,), "S0"),  # tiny: one object
+}
+TARGET = 2 << 20  # bytes
+
+
+def global_tensor(key: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(SPECS[key][0], generator=g)
+
+
+def _state(which: str, zeros: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    out: dict = {"model": {}}
+    for key, (shape, mesh_s, pl, load_mesh, load_pl) in SPECS.items():
+        mesh_shape, spec = (mesh_s, pl) if which == "save" else (load_mesh, load_pl)
+        mesh = init_device_mesh("cpu", mesh_shape)
+        placements = _placements(spec)
+        full = torch.zeros(shape) if zeros else global_tensor(key)
+        local = _local(full, mesh, placements)
+        out["model"][key.split("/")[1]] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                             shape=full.shape, stride=full.stride())
+    return out
+
+
+def save(rank: int, world: int, path: str, target: int | None = TARGET) -> dict:
+    zarrckpt.save(_state("save", False), path, chunk_target_bytes=target)
+    return {k: sorted(os.path.relpath(f, os.path.join(path, k))
+                      for f in glob.glob(os.path.join(path, k, "c", "**"), recursive=True) if os.path.isfile(f))
+            for k in SPECS}
+
+
+def load_and_compare(rank: int, world: int, path: str, layouts: str = "load") -> dict:
+    """Load into the load layouts (``"load"``) or the save layouts (``"save"``) and compare
+    every element with the global tensors."""
+    state = _state(layouts, True)
+    report: dict = {}
+    zarrckpt.load(state, path, report=report)
+    for key in SPECS:
+        t = state["model"][key.split("/")[1]]
+        full = t.full_tensor()
+        assert np.array_equal(bits(full), bits(global_tensor(key))), key
+    return {"needed": report["bytes_needed"], "fetched": report["bytes_fetched"]}
