@@ -379,10 +379,18 @@ class Layout:
             r //= self.mesh_shape[i]
         return tuple(coord)
 
+    def _starts(self, d: int) -> list[int]:
+        cache = self.__dict__.setdefault("_run_starts", {})
+        if d not in cache:
+            cache[d] = [r[0] for r, _ in self.partition(d)]
+        return cache[d]
+
     def _pieces(self, d: int, lo: int, hi: int) -> list[tuple[Run, tuple[int, ...]]]:
         part = self.partition(d)
-        starts = [r[0] for r, _ in part]
+        starts = self._starts(d)
         i = max(_bisect_right(starts, lo) - 1, 0)
+        if self.grouped:  # chunk bounds are cell bounds: the runs lie wholly inside
+            return [p for p in part[i:_bisect_left(starts, hi)] if p[0][0] < p[0][1]]
         out = []
         while i < len(part) and part[i][0][0] < hi:
             (a, b), who = part[i]
@@ -392,29 +400,34 @@ class Layout:
             i += 1
         return out
 
+    def _sharded_coords(self, combo) -> dict[int, int]:
+        """The sharding mesh coordinates of the cell of one piece per dimension."""
+        out: dict[int, int] = {}
+        for d, (_, who) in enumerate(combo):
+            out.update(zip(self.sharding[d], who))
+        return out
+
+    def _writer(self, pieces_per_dim: list, pick: int) -> Coord:
+        """The writer of a chunk: replica ``pick`` of the cell of its main pieces (C.4)."""
+        if self.grouped:  # equal cells: the writer rotates among them, by chunk and key
+            main = [_rotate(ps, pick) for ps in pieces_per_dim]
+        else:
+            main = [max(ps, key=lambda p: _len(p[0])) for ps in pieces_per_dim]
+        return self._replica(self._sharded_coords(main), pick)
+
+    def _source(self, combo, writer: Coord, pick: int) -> Coord:
+        """Who provides one piece of a chunk: the writer if it holds it, else replica ``pick``."""
+        sc = self._sharded_coords(combo)
+        return writer if all(writer[i] == v for i, v in sc.items()) else self._replica(sc, pick)
+
     def _chunk_plan(self, index: tuple[int, ...]) -> tuple[Coord, list[tuple[Coord, Box]]]:
         """Writer of chunk ``index`` and the (source coord, box) pieces that make it up."""
         box = self.chunk_box(index)
         pieces_per_dim = [self._pieces(d, lo, hi) for d, (lo, hi) in enumerate(box)]
         pick = self._pick(index)
-
-        def sharded_coords(combo) -> dict[int, int]:
-            out: dict[int, int] = {}
-            for d, (_, who) in enumerate(combo):
-                out.update(zip(self.sharding[d], who))
-            return out
-
-        if self.grouped:  # equal cells: the writer rotates among them, by chunk and key
-            main = [_rotate(ps, pick) for ps in pieces_per_dim]
-        else:
-            main = [max(ps, key=lambda p: _len(p[0])) for ps in pieces_per_dim]
-        writer = self._replica(sharded_coords(main), pick)
-        sources = []
-        for combo in itertools.product(*pieces_per_dim):
-            sc = sharded_coords(combo)
-            holds = all(writer[i] == v for i, v in sc.items())
-            src = writer if holds else self._replica(sc, pick)
-            sources.append((src, tuple(r for r, _ in combo)))
+        writer = self._writer(pieces_per_dim, pick)
+        sources = [(self._source(combo, writer, pick), tuple(r for r, _ in combo))
+                   for combo in itertools.product(*pieces_per_dim)]
         return writer, sources
 
     def metadata_writer(self) -> Coord:
@@ -431,6 +444,13 @@ class Layout:
             per_dim.append(idx)
         return itertools.product(*per_dim)
 
+    def _own_pieces(self, coord: Coord, d: int, pieces: list, lo: int, hi: int) -> list:
+        """The pieces of one chunk along ``d`` that ``coord`` holds (its own runs there)."""
+        who = tuple(coord[i] for i in self.sharding[d])
+        if self.grouped:
+            return [((a, b), who) for a, b in self.runs(coord)[d] if lo <= a < hi and a < b]
+        return [p for p in pieces if p[1] == who]
+
     def save_plan(self, coord: Coord) -> tuple[list[ChunkWrite], list[Send]]:
         """What ``coord`` writes and what it sends to other writers.
 
@@ -442,21 +462,32 @@ class Layout:
         if any(s == 0 for s in self.shape):
             return writes, sends
         for index in self._chunks_touching(coord):
-            writer, sources = self._chunk_plan(index)
+            box = self.chunk_box(index)
+            pieces_per_dim = [self._pieces(d, lo, hi) for d, (lo, hi) in enumerate(box)]
+            pick = self._pick(index)
+            writer = self._writer(pieces_per_dim, pick)
             if writer == coord:
-                writes.append(ChunkWrite(index, self.chunk_box(index), tuple(sources)))
-            else:
-                for src, box in sources:
-                    if src == coord:
-                        sends.append(Send(index, writer, box))
+                sources = tuple((self._source(combo, writer, pick), tuple(r for r, _ in combo))
+                                for combo in itertools.product(*pieces_per_dim))
+                writes.append(ChunkWrite(index, box, sources))
+                continue
+            # a sender visits only the pieces of its own cell (a grouped chunk has many)
+            mine = [self._own_pieces(coord, d, ps, lo, hi) for d, (ps, (lo, hi)) in enumerate(zip(pieces_per_dim, box))]
+            for combo in itertools.product(*mine):
+                if self._source(combo, writer, pick) == coord:
+                    sends.append(Send(index, writer, tuple(r for r, _ in combo)))
         return writes, sends
 
 
 def _rotate(pieces: list[tuple[Run, tuple[int, ...]]], pick: int) -> tuple[Run, tuple[int, ...]]:
-    """Of the longest pieces, the one at ``pick`` modulo their number."""
-    longest = max(_len(p[0]) for p in pieces)
-    tied = [p for p in pieces if _len(p[0]) == longest]
-    return tied[pick % len(tied)]
+    """Of the longest pieces, the one at ``pick`` modulo their number. In an aligned layout
+    every run but the last of a dimension has the longest length, so the short ones (at
+    most the last) come last."""
+    longest = _len(pieces[0][0])
+    n = len(pieces)
+    while _len(pieces[n - 1][0]) != longest:
+        n -= 1
+    return pieces[pick % n]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -473,6 +504,12 @@ def _bisect_right(a: list[int], x: int) -> int:
     import bisect
 
     return bisect.bisect_right(a, x)
+
+
+def _bisect_left(a: list[int], x: int) -> int:
+    import bisect
+
+    return bisect.bisect_left(a, x)
 
 
 def piece_shape(shape: Sequence[int], itemsize: int, budget: int) -> tuple[int, ...]:
