@@ -63,3 +63,56 @@ def load_and_compare(rank: int, world: int, path: str, layouts: str = "load") ->
         full = t.full_tensor()
         assert np.array_equal(bits(full), bits(global_tensor(key))), key
     return {"needed": report["bytes_needed"], "fetched": report["bytes_fetched"]}
+
+
+# ---- 8 ranks: many small shards, counted ----------------------------------------------
+
+N_SMALL = 40  # DTensors of 32 x 64 fp32 shards (8 KiB) on 8 ranks
+
+
+def many_small(rank: int, world: int, path: str) -> dict:
+    """Save 40 small-shard DTensors with grouped chunks, then load them back: the chunk
+    files of the checkpoint, and the zarr.json documents this rank read during the load."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from zarrckpt.storage import _tensorstore
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(zeros: bool) -> dict:
+        out = {}
+        for i in range(N_SMALL):
+            g = torch.Generator().manual_seed(i)
+            full = torch.zeros(32 * world, 64) if zeros else torch.randn(32 * world, 64, generator=g)
+            out[f"w{i}"] = DTensor.from_local(full.chunk(world)[rank].contiguous(), mesh, [Shard(0)],
+                                              run_check=False, shape=full.shape, stride=full.stride())
+        return {"model": out, "step": 7}
+
+    zarrckpt.save(state(False), path, chunk_target_bytes=1 << 20, pack_bytes=0)
+    reads: list[str] = []
+    cls = _tensorstore.TensorStoreStorage
+    real_bytes, real_get = cls.read_bytes, cls.get
+
+    def read_bytes(self, key):
+        reads.append(key)
+        return real_bytes(self, key)
+
+    def get(self, key):
+        reads.append(key)
+        return real_get(self, key)
+
+    cls.read_bytes, cls.get = read_bytes, get
+    try:
+        target = state(True)
+        zarrckpt.load(target, path)
+    finally:
+        cls.read_bytes, cls.get = real_bytes, real_get
+    for i in range(N_SMALL):
+        g = torch.Generator().manual_seed(i)
+        want = torch.randn(32 * world, 64, generator=g).chunk(world)[rank]
+        assert torch.equal(target["model"][f"w{i}"].to_local(), want), i
+    files = [os.path.relpath(f, path) for f in glob.glob(os.path.join(path, "**"), recursive=True)
+             if os.path.isfile(f)]
+    return {"documents_read": [k for k in reads if k.endswith("zarr.json")], "files": len(files),
+            "chunk_files": sum("/c/" in f or f.endswith("/c") for f in files)}

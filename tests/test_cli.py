@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
@@ -214,7 +214,7 @@ def mark_inner_missing(path: Path, entry: int) -> None:
     n = 4  # inner chunks per shard of the grid's "shard" array: [8, 6] / [4, 3]
     index = data[-(16 * n + 4):-4]
     index[16 * entry:16 * entry + 16] = b"\xff" * 16
-    data[-(16 * n + 4):] = bytes(index) + google_crc32c.value(bytes(index)).to_bytes(4, "little")
+    data[-(16 * n + 4):] = bytes(index) + crc32c.crc32c(bytes(index)).to_bytes(4, "little")
     path.write_bytes(bytes(data))
 
 

@@ -128,3 +128,16 @@ def test_four_ranks_save_grouped_chunks_and_load_on_other_meshes(tmp_path, clust
     ck = zarrckpt.open(path)
     assert ck["model/emb"].chunks == (2048, 256)
     assert all(s % i == 0 for s, i in zip((512, 256), ck["model/emb"].inner_chunks))
+
+
+@pytest.mark.slow
+def test_eight_ranks_of_small_shards_make_few_files_and_read_one_document(tmp_path, clusters):
+    """8 ranks, 40 DTensors of 8 KiB shards: one chunk file per array (not 8), files within
+    2 x (arrays + ranks), and a load on every rank reads one metadata document, the root."""
+    c = clusters(8)
+    out = c.run(_grouped.many_small, str(tmp_path / "c"))
+    arrays = _grouped.N_SMALL
+    assert out[0]["chunk_files"] == arrays  # 8 shards of 8 KiB per array: one 64 KiB chunk
+    assert out[0]["files"] <= 2 * (arrays + 8)  # chunks, array zarr.json, groups, root
+    for rank, r in enumerate(out):
+        assert r["documents_read"] == ["zarr.json"], (rank, r["documents_read"])

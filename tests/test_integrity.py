@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from _v11 import as_format_1_1
+
 import zarrckpt
 import zarrckpt.inspect
 from zarrckpt import errors
@@ -49,15 +51,7 @@ def saved(tmp_path_factory) -> Path:
 def saved_v11(saved, tmp_path_factory) -> Path:
     """``saved`` as a 1.1 checkpoint (no consolidated metadata, spec §6.7): its readers read
     and digest-check every array ``zarr.json`` (§6.6), which 1.2 readers take from the root."""
-    path = copy_of(saved, tmp_path_factory.mktemp("integrity11") / "ckpt")
-    doc = json.loads((path / "zarr.json").read_bytes())
-    del doc["consolidated_metadata"]
-    attrs = doc["attributes"]["zarrckpt"]
-    attrs["version"] = "1.1"
-    attrs["digests"]["root"] = fmt.ZERO_DIGEST
-    attrs["digests"]["root"] = fmt.sha256_hex(fmt.encode_document(doc))
-    (path / "zarr.json").write_bytes(fmt.encode_document(doc))
-    return path
+    return as_format_1_1(copy_of(saved, tmp_path_factory.mktemp("integrity11") / "ckpt"))
 
 
 def copy_of(src: Path, dst: Path) -> Path:

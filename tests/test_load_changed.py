@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _v11 import as_format_1_1
+
 import zarrckpt
 from zarrckpt.api import load as _load
 
@@ -32,9 +34,11 @@ def overwrite_before(monkeypatch, obj, name: str, path, n: int = 5000) -> None:
 
 
 def test_overwrite_between_the_root_and_the_array_documents(tmp_path, monkeypatch):
-    """Was IntegrityError: the new save's array zarr.json does not match the old root's digest."""
+    """Was IntegrityError: the new save's array zarr.json does not match the old root's digest
+    (a 1.1 checkpoint, whose loads read the array documents; 1.2 takes them from the root)."""
     path = tmp_path / "c"
     zarrckpt.save(state(1.0), path, pack_bytes=0)
+    as_format_1_1(path)
     overwrite_before(monkeypatch, _load.LoadRun, "validate", path)
     t = target()
     with pytest.raises(zarrckpt.CheckpointChangedError, match="replaced while it was being read") as ei:
@@ -73,6 +77,7 @@ def test_overwrite_during_the_value_reads(tmp_path, monkeypatch):
 def test_a_damaged_document_without_an_overwrite_stays_an_integrity_error(tmp_path):
     path = tmp_path / "c"
     zarrckpt.save(state(1.0), path, pack_bytes=0)
+    as_format_1_1(path)  # 1.2 loads read no array document (spec §6.7)
     f = path / "model" / "w" / "zarr.json"
     f.write_bytes(f.read_bytes().replace(b'"fill_value":0', b'"fill_value":1'))
     with pytest.raises(zarrckpt.IntegrityError, match="'model/w'"):

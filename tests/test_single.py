@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from _v11 import as_format_1_1
+
 import zarrckpt
+import zarrckpt.inspect
 from zarrckpt.format import dtypes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
@@ -304,10 +307,18 @@ def test_missing_chunk_is_an_error_not_zeros(tmp_path):
 
 
 def test_missing_array_metadata(tmp_path):
+    """Format 1.1 reads each array's zarr.json: a missing one is an error. Format 1.2 takes
+    the metadata from the root (spec §6.7): the load needs no array document, and verify
+    reports the one generic readers miss."""
     zarrckpt.save({"w": torch.zeros(16)}, tmp_path / "c")
     os.remove(tmp_path / "c" / "w" / "zarr.json")
+    assert zarrckpt.load_state_dict(tmp_path / "c")["w"].shape == (16,)
+    assert [p.kind for p in zarrckpt.inspect.verify(tmp_path / "c").problems] == ["missing"]
+    zarrckpt.save({"w": torch.zeros(16)}, tmp_path / "d")
+    as_format_1_1(tmp_path / "d")
+    os.remove(tmp_path / "d" / "w" / "zarr.json")
     with pytest.raises(zarrckpt.CorruptChunkError, match="zarr.json is missing"):
-        zarrckpt.load_state_dict(tmp_path / "c")
+        zarrckpt.load_state_dict(tmp_path / "d")
 
 
 def test_newer_major_version_is_refused(tmp_path):

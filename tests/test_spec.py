@@ -287,13 +287,13 @@ def check_shard_index(path: Path, index: list[int], shape: list[int], chunk: lis
                       where: str) -> None:
     """§5.3 / §5.5: the shard index at the end (16 bytes per inner chunk, row-major, then its
     CRC-32C): every inner chunk that overlaps the array is stored; the others may be absent."""
-    import google_crc32c
+    import crc32c
 
     per = [c // n for c, n in zip(chunk, inner)]
     count = math.prod(per)
     data = path.read_bytes()
     table = data[-(16 * count + 4):-4]
-    assert google_crc32c.value(table) == int.from_bytes(data[-4:], "little"), where
+    assert crc32c.crc32c(table) == int.from_bytes(data[-4:], "little"), where
     entries = np.frombuffer(table, dtype="<u8").reshape(count, 2)
     for j, (offset, nbytes) in zip(np.ndindex(*per), entries):
         overlaps = all(i * c + jj * n < s for i, c, jj, n, s in zip(index, chunk, j, inner, shape))
