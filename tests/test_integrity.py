@@ -426,3 +426,46 @@ def test_bytesio_is_stored_like_bytes(tmp_path):
         ckpt = zarrckpt.open(path)
         assert ckpt.read("buf") == b"abc"
         assert ckpt.array_info("buf").kind == "bytesio"
+
+
+def _relabel_1_0(path: Path) -> None:
+    """A hostile edit: the root relabelled format 1.0, its digests (and 1.2's consolidated
+    metadata) dropped, so that no document would be digest-checked."""
+    doc = json.loads((path / "zarr.json").read_bytes())
+    doc.pop("consolidated_metadata", None)
+    attrs = doc["attributes"]["zarrckpt"]
+    attrs["version"] = "1.0"
+    attrs.pop("digests")
+    (path / "zarr.json").write_bytes(fmt.encode_document(doc))
+
+
+@pytest.mark.parametrize("state, what", [
+    ({"w": torch.ones(3)}, "metadata"),
+    ({"buf": __import__("io").BytesIO(b"abc")}, "bytesio"),
+])
+def test_a_checkpoint_relabelled_1_0_to_drop_its_digests_is_refused(tmp_path, state, what):
+    """Spec §9/§10 (review item B15): what 1.0 cannot hold (metadata, the bytesio and
+    sharded_tensor kinds) marks a later checkpoint relabelled 1.0."""
+    path = tmp_path / "c"
+    zarrckpt.save(state, path, metadata={"step": 1} if what == "metadata" else None)
+    _relabel_1_0(path)
+    with pytest.raises(errors.FormatError, match="1.0"):
+        read_everything(path)
+
+
+def test_consolidated_metadata_of_a_root_before_1_2_is_ignored(saved_v11, tmp_path):
+    """Only a 1.2 root's digest covers consolidated metadata: an older root's (a generic tool
+    may add one) is not used; the array documents are read and digest-checked."""
+    path = copy_of(saved_v11, tmp_path / "c")
+    doc = json.loads((path / "zarr.json").read_bytes())
+    forged = json.loads((path / "big" / "zarr.json").read_bytes())
+    forged["shape"] = [7]
+    doc["consolidated_metadata"] = {"kind": "inline", "must_understand": False,
+                                    "metadata": {"big": forged, ".packs": {"zarr_format": 3, "node_type": "group"},
+                                                 ".packs/0": json.loads((path / ".packs/0/zarr.json").read_bytes())}}
+    attrs = doc["attributes"]["zarrckpt"]
+    attrs["digests"]["root"] = fmt.ZERO_DIGEST
+    attrs["digests"]["root"] = fmt.sha256_hex(fmt.encode_document(doc))
+    (path / "zarr.json").write_bytes(fmt.encode_document(doc))
+    assert zarrckpt.open(path)["big"].shape == (20000,)
+    read_everything(path)

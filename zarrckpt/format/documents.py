@@ -699,6 +699,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     num_arrays = attrs.get("num_arrays")
     _need(_is_int(num_arrays), where, f"num_arrays must be an integer >= 0, found {num_arrays!r}")
     metadata = attrs.get("metadata")
+    _need(minor >= 1 or metadata is None, where, "a root of version 1.0 has no 'metadata' (spec §6.1: since 1.1)")
     if metadata is not None:
         _need(isinstance(metadata, dict), where, f"metadata must be an object, found {_json_type(metadata)}")
         try:
@@ -712,7 +713,10 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         if "array" in node:
             paths.add(key)
         elif "packed" in node:
-            paths.add(parse_packed(node["packed"], key).metadata["pack"])
+            packed = parse_packed(node["packed"], key)
+            _need(minor >= 1 or packed.kind not in _KINDS_SINCE_1_1, where,
+                  f"packed leaf {key!r}: kind {packed.kind!r} does not exist in format 1.0")
+            paths.add(packed.metadata["pack"])
     _need(num_arrays == len(paths), where,
           f"num_arrays is {num_arrays} but the tree names {len(paths)} arrays (array nodes and packs)")
     array_digests = None
@@ -724,7 +728,10 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
                 f"{where}: digests.arrays does not list exactly the arrays of the tree"
                 + (f"; not in the tree: {extra[:5]}" if extra else "")
                 + (f"; without a digest: {missing[:5]}" if missing else ""))
-    consolidated = _parse_consolidated(doc.get("consolidated_metadata"), paths, minor, where)
+    # consolidated metadata is used from 1.2 on, where the root digest covers it; an older
+    # root's (added by a generic tool, say) is not the writer's and is ignored
+    consolidated = (_parse_consolidated(doc.get("consolidated_metadata"), paths, minor, where)
+                    if minor >= 2 else None)
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
                     tuple(leaves), frozenset(paths), array_digests, metadata, consolidated)
 
@@ -817,8 +824,13 @@ _ARRAY_MEMBERS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid"
                   "fill_value", "codecs", "attributes", "dimension_names")
 
 
+# kinds a 1.0 checkpoint cannot hold (spec §10: added in 1.1), so that a 1.1 checkpoint
+# relabelled "1.0" to drop its digests is refused rather than read unchecked
+_KINDS_SINCE_1_1 = ("sharded_tensor", "bytesio")
+
+
 def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | None = None,
-                pack: bool | None = None) -> ArrayInfo:
+                pack: bool | None = None, version: str | None = None) -> ArrayInfo:
     """Validate an array ``zarr.json`` (spec §5) for the leaf ``key`` stored at ``path``
     (default: ``key``). ``pack``: True for a pack array, False for an array node's array.
     Anything outside the feature set of spec §5.5 is refused, not guessed."""
@@ -873,6 +885,8 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
           f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
     kind = attrs.get("kind")
     _need(kind in ARRAY_KINDS, where, f"unknown kind {kind!r}")
+    _need(not (version == "1.0" and kind in _KINDS_SINCE_1_1), where,
+          f"kind {kind!r} does not exist in format 1.0 (the root says 1.0)")
     if pack is not None:
         _need((kind == "pack") == pack, where,
               "a pack array must have kind 'pack'" if pack else "kind 'pack' at a key's array path")

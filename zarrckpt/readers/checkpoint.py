@@ -437,12 +437,13 @@ class Checkpoint(CheckpointView):
         if data is not None:
             fmt.check_array_digest(self.info, path, data, key)
             doc = fmt.decode_document(data, f"array {key!r}: {path}/zarr.json")
-        return fmt.parse_array(doc, key, self.info.save_id, path=path, pack=pack)
+        return fmt.parse_array(doc, key, self.info.save_id, path=path, pack=pack, version=self.info.version)
 
     def _parse_entry(self, key: str, path: str, *, pack: bool) -> fmt.ArrayInfo:
         """The array at ``path`` from the root's consolidated metadata (spec §6.7): the
         root's digest covers it, so no other document is read."""
-        return fmt.parse_array(self.info.consolidated[path], key, self.info.save_id, path=path, pack=pack)
+        return fmt.parse_array(self.info.consolidated[path], key, self.info.save_id, path=path, pack=pack,
+                               version=self.info.version)
 
     def _read_document(self, key: str, what: str) -> tuple[bytes | None, bytes]:
         """(the document's bytes or None, their storage generation)."""
