@@ -407,12 +407,8 @@ def _selection(norm: tuple, shape: tuple[int, ...], unit: tuple[int, ...]
             dim_runs = [(lo, hi)]
         elif isinstance(it, np.ndarray):
             values = np.unique(it)
-            dim_runs = []
-            for v in values.tolist():
-                if dim_runs and v - dim_runs[-1][1] < unit[d]:
-                    dim_runs[-1] = (dim_runs[-1][0], v + 1)
-                else:
-                    dim_runs.append((v, v + 1))
+            cut = np.nonzero(np.diff(values) > unit[d])[0] + 1  # a new run after a gap of a unit
+            dim_runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(values, cut) if r.size]
             starts = np.array([a for a, _ in dim_runs] or [0], dtype=np.int64)
             offsets = np.cumsum([0] + [b - a for a, b in dim_runs])[:-1] if dim_runs else np.zeros(1, np.int64)
             which = np.searchsorted(starts, it, side="right") - 1
