@@ -10,6 +10,7 @@ state grows. Sync saves and loads use a bounded arena and stream through it.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 
@@ -63,7 +64,7 @@ class Arena:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor view of the next free bytes."""
         start = _aligned(self._offset)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if start + nbytes > self.capacity:
             raise MemoryError(f"arena of {self.capacity} bytes cannot take {nbytes} more")
         self._offset = start + nbytes

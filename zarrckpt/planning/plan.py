@@ -164,7 +164,7 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: A
         plan = _cached(ck, build) if okey is not None else build()
         if local is not None:
             plan.layout.check_local_shape(tuple(local.shape), coord, key)
-        return replace(plan, source=local)
+        return _with(plan, source=local)
     if zdist.is_sharded_tensor(leaf):
         info = zdist.sharded_tensor_info(leaf, key)
         dt = checked_dtype(leaf.dtype, key)
@@ -202,7 +202,7 @@ def plan_leaf(key: str, leaf: Any, g: zdist.Group, options: PlanOptions, okey: A
         return _plan(key, kind, dt, layout, (g.rank,), g.global_ranks(), attrs, None, options)
     ck = (kind, key, tuple(source.shape), dt.zarr, g.rank, tuple(g.global_ranks()), okey)
     plan = _cached(ck, build_plain) if okey is not None else build_plain()
-    return replace(plan, source=source)
+    return _with(plan, source=source)
 
 
 def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[dict, list[ArrayPlan]]:
@@ -216,10 +216,19 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[di
     return tree, plans
 
 
+def _with(plan: ArrayPlan, **changes: Any) -> ArrayPlan:
+    """``dataclasses.replace`` without re-running ``__init__`` (a save derives two plans per
+    leaf: thousands of leaves made replace's cost show in the blocked time of async saves)."""
+    new = object.__new__(ArrayPlan)
+    new.__dict__.update(plan.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 def with_save_id(plan: ArrayPlan, save_id: str) -> ArrayPlan:
     attrs = dict(plan.metadata["attributes"][fmt.ATTR], save_id=save_id)
     metadata = dict(plan.metadata, attributes={**plan.metadata["attributes"], fmt.ATTR: attrs})
-    return replace(plan, metadata=metadata)
+    return _with(plan, metadata=metadata)
 
 
 def restrict_to_holders(plan: ArrayPlan, holders: list[int], g: zdist.Group,
