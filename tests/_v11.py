@@ -10,13 +10,22 @@ from pathlib import Path
 from zarrckpt.format import documents as fmt
 
 
-def as_format_1_1(path: str | Path) -> Path:
+def reseal_root(path: str | Path, change) -> Path:
+    """Apply ``change(root document)`` and write it back with a correct root digest (§6.6):
+    a consistent edit, as a hostile or older writer would make."""
     path = Path(path)
     doc = json.loads((path / "zarr.json").read_bytes())
-    del doc["consolidated_metadata"]
+    change(doc)
     attrs = doc["attributes"]["zarrckpt"]
-    attrs["version"] = "1.1"
     attrs["digests"]["root"] = fmt.ZERO_DIGEST
     attrs["digests"]["root"] = fmt.sha256_hex(fmt.encode_document(doc))
     (path / "zarr.json").write_bytes(fmt.encode_document(doc))
     return path
+
+
+def as_format_1_1(path: str | Path) -> Path:
+    def change(doc: dict) -> None:
+        del doc["consolidated_metadata"]
+        doc["attributes"]["zarrckpt"]["version"] = "1.1"
+
+    return reseal_root(path, change)

@@ -420,21 +420,18 @@ class Layout:
         sc = self._sharded_coords(combo)
         return writer if all(writer[i] == v for i, v in sc.items()) else self._replica(sc, pick)
 
-    def _chunk_plan(self, index: tuple[int, ...]) -> tuple[Coord, list[tuple[Coord, Box]]]:
-        """Writer of chunk ``index`` and the (source coord, box) pieces that make it up."""
+    def _chunk_writer(self, index: tuple[int, ...]) -> tuple[Box, list, int, Coord]:
+        """(box, pieces per dim, pick, writer) of chunk ``index``; no per-piece work."""
         box = self.chunk_box(index)
         pieces_per_dim = [self._pieces(d, lo, hi) for d, (lo, hi) in enumerate(box)]
         pick = self._pick(index)
-        writer = self._writer(pieces_per_dim, pick)
-        sources = [(self._source(combo, writer, pick), tuple(r for r, _ in combo))
-                   for combo in itertools.product(*pieces_per_dim)]
-        return writer, sources
+        return box, pieces_per_dim, pick, self._writer(pieces_per_dim, pick)
 
     def metadata_writer(self) -> Coord:
         """The coordinate that writes the array's ``zarr.json``: the writer of chunk 0."""
         if any(s == 0 for s in self.shape):
             return self._replica({i: 0 for dims in self.sharding for i in dims}, self.key_hash)
-        return self._chunk_plan(tuple(0 for _ in self.shape))[0]
+        return self._chunk_writer(tuple(0 for _ in self.shape))[3]
 
     def _chunks_touching(self, coord: Coord) -> Iterator[tuple[int, ...]]:
         per_dim = []
@@ -462,10 +459,7 @@ class Layout:
         if any(s == 0 for s in self.shape):
             return writes, sends
         for index in self._chunks_touching(coord):
-            box = self.chunk_box(index)
-            pieces_per_dim = [self._pieces(d, lo, hi) for d, (lo, hi) in enumerate(box)]
-            pick = self._pick(index)
-            writer = self._writer(pieces_per_dim, pick)
+            box, pieces_per_dim, pick, writer = self._chunk_writer(index)
             if writer == coord:
                 sources = tuple((self._source(combo, writer, pick), tuple(r for r, _ in combo))
                                 for combo in itertools.product(*pieces_per_dim))
