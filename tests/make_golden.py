@@ -1,4 +1,4 @@
-"""Write the golden checkpoints of one format version: ``python tests/make_golden.py 1.0``.
+"""Write the golden checkpoints of one format version: ``python tests/make_golden.py 1.2``.
 
 Golden checkpoints are small checkpoints written by a released (or draft) version of the
 format and committed under ``tests/golden/<version>/``; ``tests/test_golden.py`` checks that
@@ -16,6 +16,16 @@ by 4 gloo ranks, DTensors ``Shard(0)`` (uneven, with an empty shard), ``[Shard(0
 ``[Replicate, Shard]``, an edge shard whose trailing inner chunks lie wholly in its padding
 (not stored, spec §5.3), and ranks that hold different keys (no packing).
 
+From 1.1 on (``PLANS``) the set is smaller, to stay below 200 KB per version, and adds what the
+version brought: ``bytesio`` leaves (packed and not), ShardedTensors (``ChunkShardingSpec``
+on dim 0 and dim 1, uneven) and root ``metadata`` (1.1); consolidated metadata in every root,
+no packing by default and grouped chunks (``chunk_target_bytes``, 256 MiB) for the DTensors
+(1.2). Options are passed explicitly, never taken from the writer's defaults. The writer of
+1.2 writes 1.1 too: the checkpoints of 1.1 are 1.2 saves with the options of 1.1's writer
+(``pack_bytes=65536`` by default, no grouped chunks), rewritten as 1.1 by
+``tests/_v11.as_format_1_1`` (the root loses ``consolidated_metadata`` and says 1.1, digest
+resealed), since 1.2 differs from 1.1 in what it writes only by that member.
+
 ``manifest.json`` records, for every checkpoint, the expected state as a typed JSON document
 (:func:`describe`): containers with their keys, values exactly, and for array leaves their
 kind, data type, shape and the SHA-256 of their little-endian C-order bytes.
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import json
 import math
 import os
@@ -77,6 +88,9 @@ def leaf_bytes(leaf: Any) -> tuple[str, str, list[int], bytes]:
     if isinstance(leaf, (bytes, bytearray, memoryview)):
         b = bytes(leaf)
         return "bytes", "uint8", [len(b)], b
+    if isinstance(leaf, io.BytesIO):
+        b = leaf.getvalue()
+        return "bytesio", "uint8", [len(b)], b
     raise TypeError(type(leaf))
 
 
@@ -84,7 +98,7 @@ def describe(obj: Any) -> Any:
     """A typed JSON description of a (saved or loaded) state: equal descriptions, equal states."""
     import torch
 
-    if isinstance(obj, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
+    if isinstance(obj, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview, io.BytesIO)):
         kind, data_type, shape, raw = leaf_bytes(obj)
         return {"leaf": kind, "data_type": data_type, "shape": shape,
                 "sha256": hashlib.sha256(raw).hexdigest()}
@@ -286,7 +300,150 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ format 1.1 and later
+
+
+GROUPED = 256 << 20  # chunk_target_bytes: the default of the 1.2 writer
+METADATA = {"step": 7, "metrics": {"loss": 0.25, "tokens": 2**40}, "note": "golden ✓", "tags": ["a", None]}
+
+
+def single_state_11() -> dict:
+    """single_state plus the leaves 1.1 added: io.BytesIO (non-empty and empty)."""
+    state = single_state()
+    state["bytesio"] = io.BytesIO(b"\x00BytesIO\xff" * 3)
+    state["empty_bytesio"] = io.BytesIO(b"")
+    return state
+
+
+def _sharded(world: int, rows: int, cols: int, dim: int) -> Any:
+    """A ShardedTensor (ChunkShardingSpec on ``dim``) holding full((rows, cols))."""
+    import torch
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_tensor.empty(spec, rows, cols)
+    full = (torch.arange(rows * cols, dtype=torch.float64) * 0.25 - 3).to(torch.float32).reshape(rows, cols)
+    for shard in st.local_shards():
+        o, z = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(full[o[0]:o[0] + z[0], o[1]:o[1] + z[1]])
+    return st
+
+
+def dist_state_11(rank: int, world: int) -> dict:
+    """dist_state plus ShardedTensors (uneven: 3, 3, 3, 1 rows; 3, 3, 3, 0 columns) and a BytesIO."""
+    state = dist_state(rank, world)
+    state["st_rows"] = _sharded(world, 10, 6, 0)
+    state["st_cols"] = _sharded(world, 7, 9, 1)
+    state["plain"]["bytesio"] = io.BytesIO(b"same on every rank")
+    return state
+
+
+def _full_dist_state_11(world: int) -> dict:
+    import torch
+
+    state = _full_dist_state(world)
+    for name, (rows, cols) in (("st_rows", (10, 6)), ("st_cols", (7, 9))):
+        state[name] = (torch.arange(rows * cols, dtype=torch.float64) * 0.25 - 3).to(torch.float32).reshape(rows, cols)
+    state["plain"]["bytesio"] = io.BytesIO(b"same on every rank")
+    return state
+
+
+# per version: the writer's format, how to turn its output into this version, the saves
+PLANS: dict[str, dict[str, Any]] = {
+    "1.1": {
+        "writer": "1.2", "rewrite": "as_format_1_1",
+        "single": {"one_unpacked": {"pack_bytes": 0, "chunk_target_bytes": None},
+                   "one_packed": {"pack_bytes": 65536, "chunk_target_bytes": None}},  # 1.1's defaults
+        "dist": {"four_ranks_dtensor": {"inner_chunk_bytes": 8, "pack_bytes": 0, "chunk_target_bytes": None},
+                 "four_ranks_stages": {"compression": "zstd", "pack_bytes": 0, "chunk_target_bytes": None}},
+    },
+    "1.2": {
+        "writer": "1.2", "rewrite": None,
+        "single": {"one_default": {"pack_bytes": 0, "chunk_target_bytes": GROUPED},  # 1.2's defaults
+                   "one_packed": {"pack_bytes": 1024, "chunk_target_bytes": GROUPED}},  # deprecated, still read
+        "dist": {"four_ranks_dtensor": {"inner_chunk_bytes": 8, "pack_bytes": 0, "chunk_target_bytes": GROUPED},
+                 "four_ranks_stages": {"compression": {"name": "gzip", "level": 5}, "pack_bytes": 0,
+                                       "chunk_target_bytes": GROUPED}},
+    },
+}
+
+
+def _dist_worker_plan(rank: int, world: int, init: str, out: str, version: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    import zarrckpt
+
+    warnings.simplefilter("ignore")  # ShardedTensor is deprecated in torch; pack_bytes in zarrckpt
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        opts = PLANS[version]["dist"]
+        zarrckpt.save(dist_state_11(rank, world), os.path.join(out, "four_ranks_dtensor"),
+                      metadata=METADATA, **opts["four_ranks_dtensor"])
+        dist.barrier()
+        zarrckpt.save(stages_state(rank, world), os.path.join(out, "four_ranks_stages"), **opts["four_ranks_stages"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main_plan(version: str, root: Path = GOLDEN) -> None:
+    """The golden checkpoints of a version of PLANS (1.1 and later)."""
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    import zarrckpt
+    from zarrckpt.format import documents as zformat
+
+    plan = PLANS[version]
+    if zformat.FORMAT_VERSION != plan["writer"]:
+        sys.exit(f"this zarrckpt writes format {zformat.FORMAT_VERSION}, not {plan['writer']}")
+    out = root / f"v{version}"
+    if out.exists():
+        sys.exit(f"{out} exists: golden files of a version are never rewritten")
+    out.mkdir(parents=True)
+    rewrite = None
+    if plan["rewrite"]:
+        import _v11
+
+        rewrite = getattr(_v11, plan["rewrite"])
+    manifest: dict[str, Any] = {"format_version": version, "zarrckpt": zarrckpt.__version__,
+                                "written_as": plan["writer"] + (f", then {plan['rewrite']}" if rewrite else ""),
+                                "checkpoints": {}}
+    for name, options in plan["single"].items():
+        state = single_state_11()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # pack_bytes > 0 is deprecated from 1.2
+            zarrckpt.save(state, out / name, metadata=METADATA, **options)
+        manifest["checkpoints"][name] = {"world_size": 1, "options": options, "metadata": METADATA,
+                                         "expected": describe(single_state_11())}
+    world = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dist_worker_plan, args=(world, f"file://{tmp}/pg", str(out), version), nprocs=world, join=True)
+    manifest["checkpoints"]["four_ranks_dtensor"] = {
+        "world_size": world, "options": plan["dist"]["four_ranks_dtensor"], "metadata": METADATA,
+        "expected": describe(_full_dist_state_11(world))}
+    stages = {"shared": None, "stage": {}, "step": 3}
+    for r in range(world):
+        s = stages_state(r, world)
+        stages["shared"] = s["shared"]
+        stages["stage"].update(s["stage"])
+    manifest["checkpoints"]["four_ranks_stages"] = {
+        "world_size": world, "options": plan["dist"]["four_ranks_stages"], "expected": describe(stages)}
+    if rewrite:
+        for name in manifest["checkpoints"]:
+            rewrite(out / name)
+    (out / "manifest.json").write_text(dump_manifest(manifest), encoding="utf-8")
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({total} bytes)")
+
+
 def main(version: str, root: Path = GOLDEN) -> None:
+    if version in PLANS:
+        return main_plan(version, root)
     import torch.multiprocessing as mp
 
     import zarrckpt
@@ -357,4 +514,4 @@ def _full_dist_state(world: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "1.0", Path(sys.argv[2]) if len(sys.argv) > 2 else GOLDEN)
+    main(sys.argv[1] if len(sys.argv) > 1 else "1.2", Path(sys.argv[2]) if len(sys.argv) > 2 else GOLDEN)
