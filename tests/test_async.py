@@ -55,10 +55,19 @@ def test_background_error_surfaces_and_nothing_is_committed(tmp_path):
     assert os.listdir(tmp_path) == []  # nor is the save's own directory left behind
 
 
-def test_foreground_errors_raise_at_the_call(tmp_path):
+def test_bad_state_raises_at_the_call_and_destination_errors_from_the_future(tmp_path):
+    """What the caller passed is checked before async_save returns (nothing written);
+    what the destination says (a checkpoint already there) is found in the background,
+    where the path is claimed, and raised by the future; the checkpoint there is kept."""
+    with pytest.raises(zarrckpt.UnsupportedValueError, match="bad"):
+        zarrckpt.async_save({"bad": object()}, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
     zarrckpt.save({"x": 1}, tmp_path / "c")
+    fut = zarrckpt.async_save({"x": 2}, tmp_path / "c")
     with pytest.raises(zarrckpt.CheckpointExistsError):
-        zarrckpt.async_save({"x": 2}, tmp_path / "c")
+        fut.result(timeout=60)
+    assert zarrckpt.load_state_dict(tmp_path / "c") == {"x": 1}
+    assert sorted(os.listdir(tmp_path)) == ["c"]  # nor is the save's own directory left behind
 
 
 def test_sync_save_streams_device_data_through_a_bounded_buffer(tmp_path, monkeypatch):

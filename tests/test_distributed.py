@@ -159,10 +159,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def test_chunks_follow_save_layout(saved, save_layout):
     path, _ = saved(save_layout)
     world, mesh_shape, spec = LAYOUTS[save_layout]
-    if mesh_shape is None:  # small plain tensors live in per-rank packs
+    if mesh_shape is None:  # small plain tensors: each its own array, one chunk (no packs from 1.2)
         ck = zarrckpt.open(path)
-        assert all(ck.is_packed(f"model/{k}") for k in SHAPES)
-        assert sorted(os.listdir(os.path.join(path, ".packs"))) == ["0", "1", "zarr.json"]
+        assert not any(ck.is_packed(f"model/{k}") for k in SHAPES)
+        assert not os.path.exists(os.path.join(path, ".packs"))
+        for k, (shape, _) in SHAPES.items():
+            assert ck[f"model/{k}"].chunks == tuple(shape)
         return
     with open(os.path.join(path, "model", "w", "zarr.json")) as f:
         meta = json.load(f)
@@ -174,9 +176,18 @@ def test_chunks_follow_save_layout(saved, save_layout):
     assert attrs["kind"] == "dtensor"
     assert attrs["mesh"]["shape"] == list(mesh_shape)
     assert len(attrs["placements"]) == len(mesh_shape)
-    expect = {"R": [13, 10], "S0": [4, 10] if world == 4 else [7, 10], "S1": [13, 5],
-              "S0,S1": [7, 5], "S0,S0": [4, 10], "SS0:2,S0": [4, 10], "R,S0": [7, 10], "S1,R": [13, 5]}
-    assert chunk == expect[spec]
+    # the shards (cells, spec C.1 steps 1-2) and the chunks that group whole cells by default
+    # (C.1 step 3: shards this small are grouped along each sharded dimension as far as the
+    # extent allows; 13 rows in cells of 4 make chunks of 12, and the last row a chunk)
+    cell = {"R": [13, 10], "S0": [4, 10] if world == 4 else [7, 10], "S1": [13, 5],
+            "S0,S1": [7, 5], "S0,S0": [4, 10], "SS0:2,S0": [4, 10], "R,S0": [7, 10], "S1,R": [13, 5]}
+    grouped = {"R": [13, 10], "S0": [12, 10] if world == 4 else [7, 10], "S1": [13, 10],
+               "S0,S1": [7, 10], "S0,S0": [4, 10], "SS0:2,S0": [4, 10], "R,S0": [7, 10], "S1,R": [13, 10]}
+    assert chunk == grouped[spec]
+    codecs = meta["codecs"]
+    if chunk != cell[spec]:  # inner chunks stay within one cell (C.2)
+        inner = codecs[0]["configuration"]["chunk_shape"]
+        assert all(c % i == 0 for c, i in zip(cell[spec], inner)), (inner, cell[spec])
 
 
 @pytest.mark.parametrize("load_layout", list(LAYOUTS))

@@ -43,7 +43,7 @@ def small_state() -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("integrity") / "ckpt"
-    zarrckpt.save(small_state(), path)
+    zarrckpt.save(small_state(), path, pack_bytes=64 << 10)  # packed leaves (deprecated) are still checked
     return path
 
 
@@ -331,7 +331,8 @@ FIFO_SCRIPT = textwrap.dedent("""
     import torch, zarrckpt
     base = {base!r}
     src = os.path.join(base, "src")
-    zarrckpt.save({{"w": torch.ones(3), "w2": torch.ones(2), "big": torch.ones(20000), "v": 1}}, src)
+    zarrckpt.save({{"w": torch.ones(3), "w2": torch.ones(2), "big": torch.ones(20000), "v": 1}}, src,
+                  pack_bytes=64 << 10)
     out = {{}}
     for name, rel, key in [("chunk", "big/c/0", "big"), ("array zarr.json", "big/zarr.json", "big"),
                            ("pack chunk", ".packs/0/c/0", "w"), ("pack zarr.json", ".packs/0/zarr.json", "w"),

@@ -66,7 +66,8 @@ def saved(tmp_path_factory):
         "nan": float("nan"),
         "table": np.arange(12, dtype=np.int16).reshape(3, 4),
     }
-    zarrckpt.save(state, path, inner_chunk_bytes=16 << 10, metadata={"step": 100, "metrics": {"loss": 1.5}})
+    zarrckpt.save(state, path, inner_chunk_bytes=16 << 10, metadata={"step": 100, "metrics": {"loss": 1.5}},
+                  pack_bytes=64 << 10)  # packed leaves (deprecated) are still read and described
     return path, state
 
 
@@ -309,7 +310,7 @@ def _save_dtensor(rank, world, path):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     w = distribute_tensor(torch.arange(48, dtype=torch.float32).reshape(8, 6), mesh, [Shard(0), Shard(1)])
-    zarrckpt.save({"w": w}, path)
+    zarrckpt.save({"w": w}, path, chunk_target_bytes=None)  # one chunk per shard: one writer each
 
 
 def test_pickled_checkpoint_reopens_and_notices_a_replacement(tmp_path):

@@ -401,11 +401,11 @@ def varied_state() -> dict:
 
 @pytest.mark.parametrize(
     "options",
-    [{"pack_bytes": 0}, {}, {"pack_bytes": 200},
+    [{"pack_bytes": 0}, {}, {"pack_bytes": 200}, {"pack_bytes": 64 << 10},
      {"compression": "zstd", "inner_chunk_bytes": 256, "pack_bytes": 0},
-     {"compression": "zstd", "inner_chunk_bytes": 256},
-     {"compression": {"name": "gzip", "level": 5}}],
-    ids=["unpacked", "packed", "pack-200", "zstd-sharded", "zstd-sharded-packed", "gzip-packed"],
+     {"compression": "zstd", "inner_chunk_bytes": 256, "pack_bytes": 64 << 10},
+     {"compression": {"name": "gzip", "level": 5}, "pack_bytes": 64 << 10}],
+    ids=["unpacked", "default", "pack-200", "packed", "zstd-sharded", "zstd-sharded-packed", "gzip-packed"],
 )
 def test_saved_files_follow_schema_and_spec(tmp_path, options):
     state = varied_state()
@@ -425,7 +425,7 @@ def test_saved_files_follow_schema_and_spec(tmp_path, options):
         return doc["shape"], doc["data_type"], doc["attributes"]["zarrckpt"]["kind"]
 
     # C.3 (informative): which leaves zarrckpt packs, and where
-    pack_bytes = options.get("pack_bytes", 64 << 10)
+    pack_bytes = options.get("pack_bytes", 0)  # 1.2: no packing unless asked (§6.5)
     sizes = {}
     for key in nodes:
         if "array" in nodes[key] or "packed" in nodes[key]:
@@ -508,8 +508,9 @@ def test_pending_root_follows_schema_and_is_refused(tmp_path, monkeypatch):
         with pytest.raises(zarrckpt.IncompleteCheckpointError):  # §7.1, although every array is there
             zarrckpt.open(where)
     docs = read_checkpoint_files(staging)
-    assert {k for k, d in docs.items() if d["node_type"] == "array"} == {".packs/0"}  # all three packed
-    assert_valid("arrayDocument", docs[".packs/0"])
+    assert {k for k, d in docs.items() if d["node_type"] == "array"} == {"w", "small/a", "small/b"}
+    for k in ("w", "small/a", "small/b"):
+        assert_valid("arrayDocument", docs[k])
     assert os.listdir(tmp_path / "ckpt") == ["zarr.json"]  # the claim holds nothing else
 
 
@@ -532,8 +533,8 @@ def test_prepare_writes_only_the_pending_root_and_groups(tmp_path, monkeypatch):
         zarrckpt.save(state, tmp_path / "ckpt")
     docs = seen["docs"]
     assert_valid("rootAttributesPending", docs[""]["attributes"]["zarrckpt"])
-    # model/w and model/b are packed (no group "model"); opt/x/y (128 KiB) is an array of its own
-    assert set(docs) == {"", "opt", "opt/x", ".packs"}
+    # every leaf is an array of its own (1.2 writers do not pack): the groups above them
+    assert set(docs) == {"", "model", "opt", "opt/x"}
     assert all(d == {"zarr_format": 3, "node_type": "group"} for k, d in docs.items() if k)
     assert seen["files"] == ["zarr.json"] * len(docs)  # no chunk, no array metadata
     assert not (tmp_path / "ckpt").exists() and not _staging_dirs(tmp_path)  # a failed save leaves nothing
@@ -763,7 +764,7 @@ def rank_save_logging_puts(rank, world, path, same):
 
     _tensorstore.TensorStoreStorage.put = put
     try:
-        zarrckpt.save(spec_rank_state(rank, same), path)
+        zarrckpt.save(spec_rank_state(rank, same), path, pack_bytes=64 << 10)  # C.3, still as specified
     finally:
         _tensorstore.TensorStoreStorage.put = real_put
     return log

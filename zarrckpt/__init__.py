@@ -118,13 +118,13 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     * ``compression``: None (default), ``"zstd"``, ``"gzip"`` or ``{"name": "zstd", "level": 3}``.
     * ``inner_chunk_bytes``: the smallest piece a later load on another layout reads
       (default 1 MiB).
-    * ``pack_bytes``: plain tensors up to this size are stored together, one array per
-      rank (default 64 KiB; 0 stores every leaf as its own Zarr array, for generic Zarr tools).
+    * ``pack_bytes``: deprecated (default 0: every leaf is its own Zarr array, visible to
+      generic Zarr tools); > 0 packs small plain leaves into hidden byte arrays, as 1.1 did.
     * ``replica_split_bytes``: replicated tensors at least this big are written by
       several replicas, each a part (default 64 MiB; None: one writer).
     * ``chunk_target_bytes``: a chunk of a DTensor/ShardedTensor groups whole neighbouring
-      shards until it holds this many bytes (default None: one chunk per shard); at 1,024
-      ranks, small shards make a few objects per array instead of 1,024.
+      shards until it holds this many bytes (default 256 MiB; None: one chunk per shard); at
+      1,024 ranks, small shards make one or a few objects per array instead of 1,024.
     * ``max_staging_bytes``: host memory for copying GPU tensors out (default 1 GiB).
     * ``max_inflight_bytes``: bytes being written at once (default 256 MiB).
     * ``storage``: a :class:`StorageOptions` (threads, fsync, object-store endpoint, retries).

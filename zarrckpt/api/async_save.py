@@ -1,11 +1,15 @@
 """``async_save``: block training only for the device->host copy.
 
-Foreground (caller's thread, caller's process group): plan, C0, prepare, C1,
-boundary exchange, staging into the process's reused arena, C1b (staging
-succeeded everywhere). Then a background thread writes the chunks and runs
-C2/C3 and the commit over a *separate* gloo group (one per set of ranks, made
-by those ranks only, with the caller's timeout), so no collective of the save
-ever interleaves with the training loop's collectives on its own group.
+Foreground (caller's thread, caller's process group): local planning (the previous
+save's plans reused when the state has the same structure), staging of every local
+shard into the process's reused arena, and one all-reduce (planning and staging
+succeeded everywhere). Then a background thread runs C0 (agreement on path and
+options, the save id, the tree), prepare and C1, the exchange that builds grouped
+chunks (on the staged host copies), the writes, C2/C3 and the commit, over a
+*separate* gloo group (one per set of ranks, made by those ranks only, with the
+caller's timeout), so no collective of the save ever interleaves with the training
+loop's collectives on its own group. Errors found in the background (a checkpoint
+already at the path, ranks that disagree on options) are raised by the future.
 
 One save is in flight per process: ``async_save`` first waits for the previous
 one to commit (its staging buffer is about to be reused), and concurrent calls
@@ -30,7 +34,7 @@ from ..distributed.staging import release_arenas, shared_arena, staged_nbytes
 from ..errors import SaveFailedError
 from ..format import tree as ztree
 from ..planning.state import is_array_leaf, resolve_stateful
-from .save import SaveOptions, SaveRun, plan_and_prepare
+from .save import SaveOptions, SaveRun
 
 log = logging.getLogger("zarrckpt")
 
@@ -96,6 +100,9 @@ def _background(fut: SaveFuture, side: zdist.Group) -> None:
         try:
             if run.staged_event is not None:
                 run.staged_event.synchronize()
+            run.agree(None)
+            run.prepare()
+            run.exchange()
             run.finish(run.write(streaming=False), side)
         except BaseException:
             run.abandon()
@@ -164,13 +171,11 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         _hooks()
         run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()
-        plan_and_prepare(run)
-        try:
+        error = run.plan(defer_tree=True)
+        if error is None:
             error = run.stage(shared_arena(), overlap=overlap)
-            run.g.agree(error, f"staging the save to {run.url!r}", SaveFailedError)
-        except BaseException:
-            run.abandon()
-            raise
+        run.g.agree(error, f"planning and staging the save to {run.url!r}", SaveFailedError)
+        run.g = side  # from here on, every collective of the save is on the side group
         fut = SaveFuture(run, time.perf_counter() - t0)
         with _state_lock:
             _inflight.append(fut)

@@ -28,6 +28,7 @@ the failing ranks)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import time
@@ -99,6 +100,7 @@ class LoadRun:
         self.stateful: dict[tuple, Any] = {}  # key path -> the caller's Stateful there
         self.targets: list[tuple[tuple, Any, str]] = []  # (key path, target leaf, checkpoint key)
         self.tensors: list[tuple[tuple, Any, str]] = []  # the tensor targets among them
+        self.pieces: list[list] = []  # per tensor target: _target_pieces (once validated)
         self.fills: list[tuple[tuple, str]] = []  # (key path of an empty container, checkpoint prefix)
         self.infos: dict = {}
         self.missing: list[str] = []
@@ -159,6 +161,7 @@ class LoadRun:
                     f"{type(ckpt.read(ck)).__name__} value")
         self.infos = ckpt.array_infos([ck for _, _, ck in self.tensors])
         checked = []
+        self.pieces = []
         for kp, leaf, ck in self.tensors:
             info = self.infos[ck]
             where = ztree.key_of(kp) + (f" (checkpoint key {ck!r})" if ck != ztree.key_of(kp) else "")
@@ -175,7 +178,8 @@ class LoadRun:
             if leaf.device.type == "meta":
                 leaf = _materialize(leaf)
                 self.resolved = ztree.set_at(self.resolved, kp, leaf)
-            for local, _ in _target_pieces(leaf, where):
+            pieces = _target_pieces(leaf, where)
+            for local, _ in pieces:
                 checked_target(local, where)  # a DTensor's local tensor, a ShardedTensor's shards
                 if torch._debug_has_internal_overlap(local) == 1:
                     raise StateDictMismatchError(
@@ -183,6 +187,7 @@ class LoadRun:
                         "stride-0 view); loading into it would keep only one value per shared "
                         "element. Pass a tensor that owns its memory (e.g. .clone()).")
             checked.append((kp, leaf, ck))
+            self.pieces.append(pieces)
         self.tensors = checked
 
     def _validate_fills(self) -> None:
@@ -210,8 +215,8 @@ class LoadRun:
         ckpt = self.ckpt
         todo = []
         staged = 0  # bytes of targets that go through the staging arena (device, casts)
-        for kp, leaf, ck in self.tensors:
-            for local, boxes in _target_pieces(leaf, ztree.key_of(kp)):
+        for (kp, leaf, ck), pieces in zip(self.tensors, self.pieces):
+            for local, boxes in pieces:
                 if boxes:
                     todo.append((ck, boxes, local))
                     if not _direct(local, dtypes.torch_dtype(self.infos[ck].dtype)):
@@ -485,16 +490,24 @@ def _materialize(leaf: torch.Tensor) -> torch.Tensor:
     return torch.empty(leaf.shape, dtype=leaf.dtype, device="cpu")
 
 
+@functools.lru_cache(maxsize=4096)
+def _layout_boxes(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple) -> tuple[Layout, tuple]:
+    """A target layout and its (global box, local box) pairs at ``coord`` (cached: a
+    state's leaves share few shapes and layouts, and loads repeat them)."""
+    layout = Layout(shape, mesh_shape, placements)
+    return layout, tuple(layout.local_boxes(coord))
+
+
 def _target_pieces(leaf: torch.Tensor, key: str) -> list[tuple[torch.Tensor, list]]:
     """(local tensor, [(global box, local box), ...]) for each local piece of a target."""
     if zdist.is_dtensor(leaf):
         mesh_shape, _, placements, _, _, coord = zdist.dtensor_info(leaf)
         if coord is None:
             return []
-        layout = Layout(tuple(leaf.shape), mesh_shape, placements)
+        layout, boxes = _layout_boxes(tuple(leaf.shape), mesh_shape, placements, coord)
         local = leaf._local_tensor if hasattr(leaf, "_local_tensor") else leaf.to_local()
         layout.check_local_shape(tuple(local.shape), coord, key)
-        return [(local, list(layout.local_boxes(coord)))]
+        return [(local, list(boxes))]
     if zdist.is_sharded_tensor(leaf):
         pieces = []
         for shard in leaf.local_shards():
@@ -502,8 +515,8 @@ def _target_pieces(leaf: torch.Tensor, key: str) -> list[tuple[torch.Tensor, lis
             gbox = tuple((o, o + s) for o, s in zip(md.shard_offsets, md.shard_sizes))
             pieces.append((shard.tensor, [(gbox, tuple((0, s) for s in md.shard_sizes))]))
         return pieces
-    layout = Layout(tuple(leaf.shape), (1,), (Replicate(),))
-    return [(leaf, list(layout.local_boxes((0,))))]
+    _, boxes = _layout_boxes(tuple(leaf.shape), (1,), (Replicate(),), (0,))
+    return [(leaf, list(boxes))]
 
 
 def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:

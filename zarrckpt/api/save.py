@@ -42,6 +42,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,8 +53,9 @@ from ..engine import commit as _commit
 from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
-from ..planning.plan import ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders, with_save_id
-from ..planning.state import resolve_stateful
+from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders,
+                             with_save_id, with_source)
+from ..planning.state import is_array_leaf, resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
 from ..distributed.staging import Arena, staged_nbytes, streaming_arena, sync_devices
@@ -62,6 +64,9 @@ from ..storage import Storage, StorageOptions, open_storage
 log = logging.getLogger("zarrckpt")
 
 __all__ = ["SaveOptions", "SaveRun", "plan_and_prepare", "run_save", "save"]
+
+
+DEFAULT_CHUNK_TARGET_BYTES = 256 << 20  # see SaveOptions.chunk_target_bytes and BENCHMARKS.md
 
 
 @dataclass(frozen=True)
@@ -76,15 +81,16 @@ class SaveOptions:
         device->host staging (it streams through a buffer of this size).
     max_inflight_bytes: bytes of chunk writes in flight at once (TensorStore holds an
         encoded shard in memory while writing it).
-    pack_bytes: plain (non-DTensor) leaves up to this size are packed into one array
-        per rank instead of one array each (0 disables packing; use 0 for checkpoints
-        meant for generic Zarr readers, which do not see packed leaves).
+    pack_bytes: deprecated (default 0: every leaf is its own Zarr array). A value > 0
+        packs plain leaves up to that size into hidden byte arrays, one per rank, as format
+        1.1 writers did; generic Zarr readers do not see packed leaves (FutureWarning).
     chunk_target_bytes: chunks of DTensors and ShardedTensors group whole neighbouring
-        shards until a chunk holds at least this many bytes (None, the default: one chunk
-        per shard). Fewer, larger objects: at 1,024 ranks an array of small shards is one or
-        two objects instead of 1,024. The other ranks send their shards of such a chunk to
-        its writer first (over NCCL on GPUs, before any device-to-host copy); inner chunks
-        stay within one shard, so loads on another layout still read only what they need.
+        shards until a chunk holds at least this many bytes (default 256 MiB; None: one
+        chunk per shard). Fewer, larger objects: at 1,024 ranks an array of small shards is
+        one or two objects instead of 1,024. The other ranks send their shards of such a
+        chunk to its writer first (over NCCL on GPUs, before any device-to-host copy);
+        inner chunks stay within one shard, so loads on another layout still read only what
+        they need. Shards of this size or more are one chunk each, as with None.
     storage: TensorStore settings (concurrency, fsync, object-store retries).
     entry_timeout: seconds every rank waits at the start of the save for the others to
         call it too, before it raises a DistributedError naming the ranks that did not
@@ -99,8 +105,8 @@ class SaveOptions:
     inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES
     replica_split_bytes: int | None = 64 << 20
     max_staging_bytes: int = 1 << 30
-    pack_bytes: int = 64 << 10
-    chunk_target_bytes: int | None = None
+    pack_bytes: int = 0
+    chunk_target_bytes: int | None = DEFAULT_CHUNK_TARGET_BYTES
     max_inflight_bytes: int = 256 << 20
     storage: StorageOptions = field(default_factory=StorageOptions)
     entry_timeout: float | None = None
@@ -120,6 +126,12 @@ class SaveOptions:
                 raise ValueError(f"{name} must be a positive int, not {getattr(opts, name)!r}")
         if not isinstance(opts.pack_bytes, int) or opts.pack_bytes < 0:
             raise ValueError(f"pack_bytes must be an int >= 0, not {opts.pack_bytes!r}")
+        if opts.pack_bytes > 0:
+            warnings.warn(
+                "pack_bytes > 0 is deprecated: packed leaves are hidden from generic Zarr readers "
+                "(zarr-python, xarray, TensorStore see only byte arrays under .packs/). Small "
+                "leaves are their own arrays by default; grouped chunks (chunk_target_bytes) keep "
+                "the object count low", FutureWarning, stacklevel=4)
         if opts.entry_timeout is not None and not (
                 isinstance(opts.entry_timeout, (int, float)) and opts.entry_timeout > 0):
             raise ValueError(f"entry_timeout must be a number of seconds > 0, not {opts.entry_timeout!r}")
@@ -160,7 +172,9 @@ class SaveRun:
         self.save_id = fmt.new_save_id()  # rank 0's value reaches every rank at C0
         self.created_us = int(time.time() * 1e6)
         self.created = ""
-        self.tree: dict = {}
+        self.tree: dict | None = {}
+        self.resolved: Any = None  # the resolved state, while the tree is not encoded yet
+        self.plan_token: Any = None  # plan_state's token: same plans as an earlier save
         self.arrays: list[ArrayPlan] = []
         self.all_docs: dict[str, dict] = {}  # every array's zarr.json (rank 0: of all ranks)
         self.gathered: list | None = None  # rank 0, slow path: every rank's (tree, docs)
@@ -189,15 +203,21 @@ class SaveRun:
 
     # ---- plan and C0 ----------------------------------------------------------
 
-    def plan(self) -> BaseException | None:
-        """Local planning; returns the error (reported to every rank at C0)."""
+    def plan(self, *, defer_tree: bool = False) -> BaseException | None:
+        """Local planning; returns the error (reported to every rank at C0).
+        ``defer_tree`` (async saves): where the plans of the previous save are reused,
+        the tree is encoded at C0, in the background (``plan_state``)."""
         t0 = time.perf_counter()
         try:
             self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
-            self.tree, self.arrays = plan_state(resolve_stateful(self.state), self.g, self.options.plan)
+            self.resolved = resolve_stateful(self.state)
+            self.tree, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
+                                                                 defer_tree=defer_tree)
+            if self.tree is not None:
+                self.resolved = None
         except BaseException as e:  # noqa: BLE001 - C0 tells everyone
-            self.tree, self.arrays = {}, []
+            self.tree, self.arrays, self.resolved = {}, [], None
             return e
         finally:
             self._timed("plan", t0)
@@ -215,6 +235,12 @@ class SaveRun:
         """C0: planning succeeded everywhere, ranks agree on path and options; merge trees
         if ranks hold different keys; take rank 0's save id and time."""
         t0 = time.perf_counter()
+        if self.tree is None and error is None:  # deferred by plan(defer_tree=True)
+            try:
+                self.tree = ztree.encode_tree(self.resolved, is_array_leaf)
+            except BaseException as e:  # noqa: BLE001 - C0 tells everyone
+                error = e
+            self.resolved = None
         payload = b"" if error else json.dumps(
             [self.tree, {p.key: p.metadata for p in self.arrays}], sort_keys=True).encode()
         must = self._must_agree()
@@ -318,17 +344,19 @@ class SaveRun:
         self._timed("exchange", t0)
 
     def stage(self, arena: Arena, *, overlap: bool = False) -> BaseException | None:
-        """Async saves: copy every local shard this rank writes (and its packs) into the
-        reused arena. Host data is copied before this returns. CUDA data is copied on a
-        side stream, after the work already queued on the current stream, and this
-        returns without waiting: the current stream is made to wait for the copies
-        (``overlap=False``), so later work on it cannot change the state too early; with
-        ``overlap=True`` nothing waits, and the caller must call ``wait_staged`` before it
-        changes the state. ``self.staged_event`` marks the end of the copies."""
+        """Async saves, right after planning: copy every local shard this rank writes or
+        sends into the reused arena, and make the copies the plans' sources, so that C0,
+        the exchange and the writes run in the background on host data. Host data is
+        copied before this returns. CUDA data is copied on a side stream, after the work
+        already queued on the current stream, and this returns without waiting: the
+        current stream is made to wait for the copies (``overlap=False``), so later work
+        on it cannot change the state too early; with ``overlap=True`` nothing waits, and
+        the caller must call ``wait_staged`` before it changes the state.
+        ``self.staged_event`` marks the end of the copies."""
         t0 = time.perf_counter()
         try:
-            todo = [p for p in self.arrays if self._needs_data(p)]
-            tensors = [p.source for p in todo if isinstance(p.source, torch.Tensor)]
+            todo = [i for i, p in enumerate(self.arrays) if p.source is not None and (p.writes or p.sends)]
+            tensors = [self.arrays[i].source for i in todo if isinstance(self.arrays[i].source, torch.Tensor)]
             self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
             arena.reserve(self.bytes_staged)
             cuda = [t for t in tensors if t.device.type == "cuda"]
@@ -338,11 +366,7 @@ class SaveRun:
                 side = _copy_stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                for p in todo:
-                    if isinstance(p.source, torch.Tensor):
-                        _, self.staged[p.key] = arena.stage(p.source)
-                    else:
-                        self.staged[p.key] = np.array(p.source, copy=True)
+                self._stage_into(arena, todo, bool(side is not None or cuda))
             if side is not None:
                 for t in cuda:
                     t.record_stream(side)  # the caching allocator keeps their memory until then
@@ -352,14 +376,45 @@ class SaveRun:
                     torch.cuda.current_stream(cuda[0].device).wait_event(self.staged_event)
             else:
                 sync_devices(tensors)
-            for p in self.arrays:
-                if p.kind == "pack" and p.members:
-                    self.staged[p.key] = pack_bytes(p)
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
             return e
         finally:
             self._timed("stage", t0)
         return None
+
+    def _stage_into(self, arena: Arena, todo: list[int], device: bool) -> None:
+        """The copies of ``stage``. When the plans are those of the previous async save
+        (same token) and the arena is the same buffer, the host views are too: one batched
+        copy (``torch._foreach_copy_``) instead of a view and a copy per leaf."""
+        global _STAGED
+        arrays = self.arrays
+        hit = _STAGED
+        if (self.plan_token is not None and hit is not None and hit[0] is self.plan_token
+                and hit[1] == arena.identity() and hit[2] == todo):
+            _, _, _, hosts, views, _ = hit
+            srcs = [arrays[i].source for i in todo]
+            tensors = [(h, s) for h, s in zip(hosts, srcs) if isinstance(s, torch.Tensor)]
+            if tensors:
+                torch._foreach_copy_([h for h, _ in tensors], [s for _, s in tensors], non_blocking=device)
+            for h, s in zip(hosts, srcs):
+                if not isinstance(s, torch.Tensor):
+                    h[...] = s
+            arena.skip(hit[5])
+        else:
+            hosts, views = [], []
+            for i in todo:
+                src = arrays[i].source
+                if isinstance(src, torch.Tensor):
+                    host, view = arena.stage(src)
+                else:
+                    host = view = np.array(src, copy=True)
+                hosts.append(host)
+                views.append(view)
+            _STAGED = (self.plan_token, arena.identity(), todo, hosts, views, arena.used())
+        for i, host, view in zip(todo, hosts, views):
+            p = arrays[i]
+            self.staged[p.key] = view
+            arrays[i] = with_source(p, host)
 
     def _needs_data(self, p: ArrayPlan) -> bool:
         """Does this rank write a chunk of ``p`` straight from its own local data?"""
@@ -454,6 +509,12 @@ class SaveRun:
             "bytes_staged": self.bytes_staged,
             "seconds": {**self.timings, "total": sum(self.timings.values())},
         }
+
+
+# The host views of the last async save's staging: (plan token, arena identity, indices
+# staged, host tensors / arrays, NumPy views, arena bytes used). Async saves stage one
+# at a time (async_save's foreground lock).
+_STAGED: tuple | None = None
 
 
 def _as_bytes(pairs):

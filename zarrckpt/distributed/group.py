@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError, ZarrckptError, by_name
 
-__all__ = ["Group", "ShardedInfo", "dtensor_info", "entry_timeout", "group", "is_dtensor", "is_sharded_tensor",
+__all__ = ["Group", "ShardedInfo", "dtensor_info", "dtensor_type", "entry_timeout", "group", "is_dtensor", "is_sharded_tensor",
            "materialize_dtensor", "on_destroy_process_group", "sharded_tensor_info", "warn_if_world_without_group"]
 
 
@@ -365,6 +366,15 @@ def is_dtensor(obj: Any) -> bool:
     return isinstance(obj, DTensor)
 
 
+def dtensor_type() -> type | None:
+    """The DTensor class (None: torch without distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
 def is_sharded_tensor(obj: Any) -> bool:
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -373,8 +383,11 @@ def is_sharded_tensor(obj: Any) -> bool:
     return isinstance(obj, ShardedTensor)
 
 
-def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple, Any, str, tuple[int, ...] | None]:
-    """(mesh shape, dim names, zarrckpt placements, mesh rank tensor, device type, coordinate)."""
+def _placements(placements: tuple) -> tuple:
+    """zarrckpt's form of a DTensor's placements (cached: a state has few distinct ones)."""
+    hit = _PLACEMENTS.get(placements)
+    if hit is not None:
+        return hit
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from ..errors import UnsupportedPlacementError
@@ -387,9 +400,8 @@ def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple
     except ImportError:  # pragma: no cover
         _StridedShard = ()
 
-    mesh = t.device_mesh
     out = []
-    for p in t.placements:
+    for p in placements:
         if _StridedShard and isinstance(p, _StridedShard):
             out.append(LStrided(p.dim, int(p.split_factor)))
         elif isinstance(p, Shard):
@@ -403,15 +415,50 @@ def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple
             )
         else:
             raise UnsupportedPlacementError(f"unknown DTensor placement {p!r}")
+    out = tuple(out)
+    if len(_PLACEMENTS) < 4096:
+        _PLACEMENTS[placements] = out
+    return out
+
+
+_PLACEMENTS: dict[tuple, tuple] = {}
+# DeviceMesh.mesh rebuilds its rank tensor on every access (torch >= 2.9, ~0.4 ms): the
+# facts of a mesh are kept per mesh object (by identity, held weakly: DeviceMesh's own
+# __eq__ compares layouts, which would merge meshes of different groups)
+_MESHES: dict[int, tuple[Any, tuple]] = {}
+_MESHES_LOCK = threading.Lock()
+
+
+def _mesh_info(mesh: Any) -> tuple:
+    with _MESHES_LOCK:
+        hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    rank_t = mesh.mesh
     coord = mesh.get_coordinate()
-    return (
-        tuple(mesh.mesh.shape),
-        tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        tuple(out),
-        mesh.mesh,
-        mesh.device_type,
-        tuple(coord) if coord is not None else None,
-    )
+    info = (tuple(rank_t.shape), tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None, rank_t,
+            mesh.device_type, tuple(coord) if coord is not None else None)
+    try:
+        key = id(mesh)
+        ref = weakref.ref(mesh, lambda _r, key=key: _forget_mesh(key, _r))
+    except TypeError:  # pragma: no cover - a mesh type without weak references
+        return info
+    with _MESHES_LOCK:
+        _MESHES[key] = (ref, info)
+    return info
+
+
+def _forget_mesh(key: int, ref: Any) -> None:
+    with _MESHES_LOCK:
+        hit = _MESHES.get(key)
+        if hit is not None and hit[0] is ref:
+            del _MESHES[key]
+
+
+def dtensor_info(t: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None, tuple, Any, str, tuple[int, ...] | None]:
+    """(mesh shape, dim names, zarrckpt placements, mesh rank tensor, device type, coordinate)."""
+    shape, names, rank_t, device_type, coord = _mesh_info(t.device_mesh)
+    return shape, names, _placements(tuple(t.placements)), rank_t, device_type, coord
 
 
 def materialize_dtensor(t: Any) -> Any:

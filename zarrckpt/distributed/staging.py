@@ -48,6 +48,19 @@ class Arena:
     def reset(self) -> None:
         self._offset = 0
 
+    def identity(self) -> tuple[int, int]:
+        """Changes when the buffer is reallocated (views taken before are then stale)."""
+        return self._buf.data_ptr(), self.capacity
+
+    def used(self) -> int:
+        return self._offset
+
+    def skip(self, nbytes: int) -> None:
+        """Mark ``nbytes`` from the start as taken (views kept from an earlier fill)."""
+        if nbytes > self.capacity:
+            raise MemoryError(f"arena of {self.capacity} bytes cannot take {nbytes}")
+        self._offset = nbytes
+
     def split(self, n: int) -> list[Arena]:
         """``n`` arenas over disjoint, equal parts of this one's buffer (double buffering)."""
         size = self.capacity // n // _ALIGN * _ALIGN

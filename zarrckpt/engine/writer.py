@@ -23,9 +23,10 @@ of every array document (§6.6), is moved into place.
 
 Writer choices (the spec's Appendix C is informative; these differ only where streaming
 needs it): the chunk grid is the caller's (converters use pieces of a memory budget, so a
-chunk is one piece); inner chunks (§5.5) as C.2; leaves of at most ``pack_bytes`` are
-packed (§6.5) into ``.packs/0``, ``.packs/1`` ... of at most ``pack_limit`` bytes each,
-in the order they are added.
+chunk is one piece); inner chunks (§5.5) as C.2; every leaf is its own array unless
+``pack_bytes`` > 0 (deprecated), when leaves of at most that size are packed (§6.5) into
+``.packs/0``, ``.packs/1`` ... of at most ``pack_limit`` bytes each, in the order they
+are added.
 """
 
 from __future__ import annotations
@@ -143,15 +144,16 @@ class Writer:
     ``overwrite``: replace a committed checkpoint at ``path`` (otherwise refused).
     ``metadata``: the caller's JSON object for the root (``Checkpoint.info.metadata``).
     ``compression``, ``inner_chunk_bytes``: as :func:`zarrckpt.save`.
-    ``pack_bytes``: leaves of kind tensor/ndarray/bytes/bytesio up to this size are packed
-    (0: never; generic Zarr tools do not see packed leaves). ``pack_limit``: bytes of one
+    ``pack_bytes``: deprecated; 0 (default): every leaf is its own array. Leaves of kind
+    tensor/ndarray/bytes/bytesio up to a size > 0 are packed (generic Zarr tools do not see
+    packed leaves). ``pack_limit``: bytes of one
     pack array (a pack is held in memory until it is written).
     ``max_inflight_bytes``: bytes of chunk writes in flight (each is referenced, not copied).
     """
 
     def __init__(self, path: Any, *, overwrite: bool = False, metadata: dict | None = None,
                  compression: str | dict | None = None, inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
-                 pack_bytes: int = 64 << 10, pack_limit: int = 16 << 20, max_inflight_bytes: int = 256 << 20,
+                 pack_bytes: int = 0, pack_limit: int = 16 << 20, max_inflight_bytes: int = 256 << 20,
                  storage: StorageOptions | None = None, writer: dict[str, str] | None = None) -> None:
         if metadata is not None:
             fmt.check_metadata(metadata)

@@ -27,6 +27,7 @@ function so that torch stays out of it.
 from __future__ import annotations
 
 import math
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,6 +93,12 @@ def escape(component: str | int) -> str:
         if len(s) > _MAX_COMPONENT_BYTES:
             raise UnsupportedValueError(f"integer key of {len(s)} digits is too long for a path segment")
         return s
+    return _escape_str(component)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _escape_str(component: str) -> str:
+    """escape() of a string (cached: a state's keys repeat across its leaves and saves)."""
     if _PLAIN_SEGMENT.fullmatch(component) and component != "zarr.json":
         return component  # the common case: nothing to escape
     if _SURROGATE.search(component):

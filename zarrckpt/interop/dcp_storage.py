@@ -109,7 +109,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,

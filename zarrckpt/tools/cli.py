@@ -603,7 +603,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="safetensors folders: bytes per file (default 5GB; 'none': one file)")
     c.add_argument("--prefix", help="safetensors folders: file name prefix (default 'model')")
     c.add_argument("--compression", choices=["zstd", "gzip"], help="zarrckpt output: compress chunks")
-    c.add_argument("--pack-bytes", metavar="SIZE", help="zarrckpt output: pack leaves up to this size (default 64KiB)")
+    c.add_argument("--pack-bytes", metavar="SIZE", help="zarrckpt output: pack leaves up to this size into hidden byte arrays (deprecated; default 0: every leaf its own array)")
     c.add_argument("--overwrite", action="store_true", help="replace what is at DST")
     c.add_argument("--skip-unsupported", action="store_true",
                    help="skip leaves the destination cannot hold (listed) instead of failing")

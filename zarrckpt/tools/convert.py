@@ -691,7 +691,7 @@ def _zarr_sink(dst: Any, overwrite: bool, memory_limit: int, metadata: dict | No
 def from_safetensors(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
                      progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
                      overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
-                     compression: Any = None, pack_bytes: int = 64 << 10,
+                     compression: Any = None, pack_bytes: int = 0,
                      inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
                      storage: StorageOptions | None = None) -> ConversionReport:
     """A safetensors file, a sharded checkpoint (its ``*.safetensors.index.json``), or a
@@ -735,7 +735,7 @@ def to_safetensors(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None,
 def from_torch_save(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
                     progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
                     overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
-                    compression: Any = None, pack_bytes: int = 64 << 10,
+                    compression: Any = None, pack_bytes: int = 0,
                     inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
                     storage: StorageOptions | None = None) -> ConversionReport:
     """A ``torch.save`` file (zip format) -> zarrckpt. Loaded with
@@ -764,7 +764,7 @@ def to_torch_save(src: Any, dst: str | os.PathLike, *, keys: cm.KeysArg = None, 
 def from_dcp(src: str | os.PathLike, dst: Any, *, keys: cm.KeysArg = None, dtype: Any = None,
              progress: Callable[[Progress], None] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
              overwrite: bool = False, strict: bool = True, metadata: dict | None = None,
-             compression: Any = None, pack_bytes: int = 64 << 10,
+             compression: Any = None, pack_bytes: int = 0,
              inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
              storage: StorageOptions | None = None) -> ConversionReport:
     """A DCP checkpoint directory (``FileSystemWriter``, any number of ranks) -> zarrckpt.
