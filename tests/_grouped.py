@@ -68,6 +68,7 @@ def load_and_compare(rank: int, world: int, path: str, layouts: str = "load") ->
 # ---- 8 ranks: many small shards, counted ----------------------------------------------
 
 N_SMALL = 40  # DTensors of 32 x 64 fp32 shards (8 KiB) on 8 ranks
+N_PLAIN = 10  # small plain leaves beside them
 
 
 def many_small(rank: int, world: int, path: str) -> dict:
@@ -87,9 +88,11 @@ def many_small(rank: int, world: int, path: str) -> dict:
             full = torch.zeros(32 * world, 64) if zeros else torch.randn(32 * world, 64, generator=g)
             out[f"w{i}"] = DTensor.from_local(full.chunk(world)[rank].contiguous(), mesh, [Shard(0)],
                                               run_check=False, shape=full.shape, stride=full.stride())
+        for i in range(N_PLAIN):  # small replicated leaves (norms, biases): arrays of their own
+            out[f"norm{i}"] = torch.zeros(64) if zeros else torch.full((64,), float(i))
         return {"model": out, "step": 7}
 
-    zarrckpt.save(state(False), path, chunk_target_bytes=1 << 20, pack_bytes=0)
+    zarrckpt.save(state(False), path)  # the defaults: grouped chunks, no packs
     reads: list[str] = []
     cls = _tensorstore.TensorStoreStorage
     real_bytes, real_get = cls.read_bytes, cls.get
@@ -112,7 +115,44 @@ def many_small(rank: int, world: int, path: str) -> dict:
         g = torch.Generator().manual_seed(i)
         want = torch.randn(32 * world, 64, generator=g).chunk(world)[rank]
         assert torch.equal(target["model"][f"w{i}"].to_local(), want), i
+    for i in range(N_PLAIN):
+        assert torch.equal(target["model"][f"norm{i}"], torch.full((64,), float(i))), i
     files = [os.path.relpath(f, path) for f in glob.glob(os.path.join(path, "**"), recursive=True)
              if os.path.isfile(f)]
     return {"documents_read": [k for k in reads if k.endswith("zarr.json")], "files": len(files),
             "chunk_files": sum("/c/" in f or f.endswith("/c") for f in files)}
+
+
+def async_repeated(rank: int, world: int, path: str) -> dict:
+    """Three async saves of grouped small shards (the exchange runs in the background, on
+    the staged copies, over the side group), the state changed after each call returns;
+    every checkpoint holds the values of its call."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = {f"w{i}": torch.randn(8 * world, 16, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    state = {"model": {k: DTensor.from_local(v.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                             shape=v.shape, stride=v.stride()) for k, v in fulls.items()},
+             "norm": torch.ones(16), "step": 0}
+    futures, expected = [], []
+    for step in range(3):
+        state["step"] = step
+        expected.append({k: v.clone() for k, v in fulls.items()})
+        futures.append(zarrckpt.async_save(state, f"{path}/s{step}"))
+        for v in fulls.values():
+            v.add_(1)
+        for t in state["model"].values():  # training goes on at once
+            t.to_local().add_(1)
+        state["norm"].add_(1)
+        dist.all_reduce(torch.ones(1))  # the loop's own collective, while the save runs
+    chunk_files = []
+    for step, fut in enumerate(futures):
+        fut.result(timeout=120)
+        got = zarrckpt.load_state_dict(f"{path}/s{step}")
+        assert got["step"] == step and torch.equal(got["norm"], torch.full((16,), float(1 + step)))
+        for k, v in expected[step].items():
+            assert torch.equal(got["model"][k], v), (step, k)
+        chunk_files.append(sum(os.path.isfile(f) for f in glob.glob(f"{path}/s{step}/model/*/c/**/*", recursive=True)))
+    return {"chunk_files": chunk_files}

@@ -142,3 +142,44 @@ def test_large_regions_are_read_in_pieces_and_the_arena_is_reused(tmp_path):
     assert all((b - a) % 64 == 0 or b == 1024 for (a, b), _ in calls)
     sd = zarrckpt.load_state_dict(tmp_path / "c", max_inflight_bytes=8 << 20)
     assert torch.equal(sd["w"], w)
+
+
+def test_later_saves_reuse_the_plans_and_follow_every_change(tmp_path, monkeypatch):
+    """Issue 16 item 4: a save whose leaves all have the previous save's signature reuses its
+    plans (no leaf is planned again) and its staged views; any change of structure, shape,
+    dtype or value type plans afresh; values and data are always this save's."""
+    from zarrckpt.planning import plan as _plan
+
+    calls = []
+    real = _plan.plan_leaf
+    monkeypatch.setattr(_plan, "plan_leaf", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    state = {"model": {f"w{i}": torch.randn(64) for i in range(20)}, "step": 0, "blob": b"ab",
+             "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    for step in range(3):
+        state["step"] = step
+        state["opt"]["lr"] = 0.1 / (step + 1)
+        for t in state["model"].values():
+            t.add_(1)
+        calls.clear()
+        zarrckpt.async_save(state, tmp_path / f"s{step}").result(timeout=60)
+        assert len(calls) == (21 if step == 0 else 0), calls  # 20 tensors and the bytes, planned once
+        got = zarrckpt.load_state_dict(tmp_path / f"s{step}")
+        assert got["step"] == step and got["opt"]["lr"] == 0.1 / (step + 1) and got["blob"] == b"ab"
+        assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
+    changes = [
+        lambda s: s["model"].__setitem__("w0", torch.randn(65)),  # a shape
+        lambda s: s["model"].__setitem__("w1", torch.randn(64, dtype=torch.float64)),  # a dtype
+        lambda s: s["model"].__setitem__("new", torch.randn(3)),  # a key
+        lambda s: s.__setitem__("blob", b"abc"),  # a bytes length
+        lambda s: s.__setitem__("step", "seven"),  # a value's type
+    ]
+    for i, change in enumerate(changes):
+        change(state)
+        calls.clear()
+        zarrckpt.async_save(state, tmp_path / f"c{i}").result(timeout=60)
+        assert calls, i  # planned afresh
+        got = zarrckpt.load_state_dict(tmp_path / f"c{i}")
+        assert set(got["model"]) == set(state["model"]) and got["blob"] == state["blob"]
+        assert got["step"] == state["step"]
+        for k, v in state["model"].items():
+            assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), (i, k)

@@ -132,12 +132,22 @@ def test_four_ranks_save_grouped_chunks_and_load_on_other_meshes(tmp_path, clust
 
 @pytest.mark.slow
 def test_eight_ranks_of_small_shards_make_few_files_and_read_one_document(tmp_path, clusters):
-    """8 ranks, 40 DTensors of 8 KiB shards: one chunk file per array (not 8), files within
+    """8 ranks with the default options, 40 DTensors of 8 KiB shards and 10 small plain
+    tensors: one chunk file per array (not 8 per DTensor, no hidden packs), files within
     2 x (arrays + ranks), and a load on every rank reads one metadata document, the root."""
     c = clusters(8)
     out = c.run(_grouped.many_small, str(tmp_path / "c"))
-    arrays = _grouped.N_SMALL
-    assert out[0]["chunk_files"] == arrays  # 8 shards of 8 KiB per array: one 64 KiB chunk
+    arrays = _grouped.N_SMALL + _grouped.N_PLAIN
+    assert out[0]["chunk_files"] == arrays  # 8 shards of 8 KiB per DTensor: one 64 KiB chunk
     assert out[0]["files"] <= 2 * (arrays + 8)  # chunks, array zarr.json, groups, root
     for rank, r in enumerate(out):
         assert r["documents_read"] == ["zarr.json"], (rank, r["documents_read"])
+
+
+def test_async_saves_of_grouped_chunks_exchange_in_the_background(tmp_path, clusters):
+    """async_save stages each rank's own shards and returns; the exchange that builds the
+    grouped chunks runs later on the staged copies (side group), while the training loop
+    changes the state and runs its own collectives."""
+    out = clusters(4).run(_grouped.async_repeated, str(tmp_path))
+    for r in out:
+        assert r["chunk_files"] == [6, 6, 6]  # one chunk per array, not one per rank
