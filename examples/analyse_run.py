@@ -30,8 +30,8 @@ def train(root: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     x = torch.randn(512, 64)
     y = (x[:, :8].sum(1, keepdim=True) > 0).float()
-    # pack_bytes=0: every leaf is an array of its own (generic Zarr tools see them all)
-    with zarrckpt.CheckpointManager(root, keep_every=10, pack_bytes=0) as mgr:
+    # every leaf is an array of its own (the default): generic Zarr tools see them all
+    with zarrckpt.CheckpointManager(root, keep_every=10) as mgr:
         for step in range(1, 61):
             loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
             opt.zero_grad()

@@ -27,8 +27,8 @@ from .state import checked_dtype, checked_tensor, is_array_leaf
 from ..errors import UnsupportedPlacementError, UnsupportedValueError
 from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
 
-__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "pack_bytes", "plan_state", "with_source",
-           "restrict_to_holders", "with_save_id"]
+__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "pack_bytes", "plan_state",
+           "restrict_to_holders", "with_save_id", "with_source"]
 
 PACK_ALIGN = 8
 PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")

@@ -1,0 +1,152 @@
+"""Time blocked by later async saves: many small leaves against few large ones, same bytes.
+
+    python bench/async_leaves.py [--device cuda|cpu] [--mib 1024] [--leaves 64,2169] [--reps 5]
+        [--dir /dev/shm/zal] [--out results.json]
+
+One process (a one-rank gloo group, as DCP's async_save needs one). For every leaf count N,
+a state of N tensors of about ``--mib`` MiB in total on ``--device``; per system, one save to
+warm up, then ``--reps`` later saves, the two systems alternating:
+
+- zarrckpt: ``reserve_staging`` once, then ``async_save``. *blocked*: until the call returns
+  (on CUDA the copies run on a side stream after it returns; the current stream waits for
+  them); *staged*: until ``wait_staged()`` (the device->host copies are done).
+- DCP best for async: ``dcp.async_save`` with ``BlockingAsyncStager(cache_staged_state_dict=
+  True)`` (pinned, reused staging; it copies before returning, so blocked = staged) and
+  ``FileSystemWriter(thread_count=4)``.
+
+Also the copy bound: one ``copy_`` of the same bytes from the device into a pinned host
+buffer (CUDA), or a memcpy (CPU). Prints a table and writes every number to JSON.
+Issue 16 item 4's goals: blocked(2,169 leaves) <= 1.2 x blocked(64 leaves); staging >= 90 %
+of the copy bound; blocked <= DCP's cached stager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+import zarrckpt
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def state(n: int, nbytes: int, device: torch.device) -> dict:
+    per = max(nbytes // n // 4, 1)
+    g = torch.Generator(device=device).manual_seed(n)
+    return {"model": {f"layers.{i}.weight": torch.rand(per, device=device, generator=g) for i in range(n)},
+            "step": 1}
+
+
+def copy_bound(nbytes: int, device: torch.device, reps: int) -> float:
+    """Seconds of one copy of ``nbytes`` into pinned (CUDA) or plain (CPU) host memory."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    out = []
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out[1:])
+
+
+def zarrckpt_save(sd: dict, path: str) -> dict:
+    t0 = time.perf_counter()
+    fut = zarrckpt.async_save(sd, path)
+    t1 = time.perf_counter()
+    fut.wait_staged()
+    t2 = time.perf_counter()
+    fut.result()
+    return {"blocked": t1 - t0, "staged": t2 - t0, "total": time.perf_counter() - t0}
+
+
+def dcp_save(sd: dict, path: str, stager) -> dict:
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=4), async_stager=stager)
+    t1 = time.perf_counter()
+    fut = getattr(fut, "upload_completion", fut)
+    fut.result()
+    return {"blocked": t1 - t0, "staged": t1 - t0, "total": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--leaves", default="64,2169")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default="/dev/shm/zal")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    device = torch.device(a.device)
+    nbytes = a.mib << 20
+    bound = copy_bound(nbytes, device, a.reps)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
+               "bytes": nbytes, "copy_bound_s": bound, "leaves": {}}
+    for n in (int(x) for x in a.leaves.split(",")):
+        sd = state(n, nbytes, device)
+        zarrckpt.reserve_staging(sd)
+        # the cached stager pins its copy: on a machine without CUDA it cannot, so there DCP
+        # copies into fresh host tensors every save
+        stager = BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
+        runs = {"zarrckpt": [], "dcp_cached_stager": []}
+        for rep in range(a.reps + 1):
+            order = ["zarrckpt", "dcp_cached_stager"] if rep % 2 == 0 else ["dcp_cached_stager", "zarrckpt"]
+            for s in order:
+                path = os.path.join(a.dir, f"{s}_{n}_{rep}")
+                shutil.rmtree(path, ignore_errors=True)
+                rec = zarrckpt_save(sd, path) if s == "zarrckpt" else dcp_save(sd, path, stager)
+                for t in sd["model"].values():  # training goes on
+                    t.mul_(1.0001)
+                if rep:  # the first save of each system warms up (plans, pinned buffers)
+                    runs[s].append(rec)
+                shutil.rmtree(path, ignore_errors=True)
+        results["leaves"][n] = {s: {k: statistics.median(r[k] for r in recs) for k in recs[0]}
+                                for s, recs in runs.items()}
+        results["leaves"][n]["raw"] = runs
+        zarrckpt.release_staging()
+        del sd, stager
+    print(f"device {results['device']}, {a.mib} MiB, copy bound {bound * 1e3:.1f} ms "
+          f"({nbytes / bound / 1e9:.1f} GB/s)")
+    print("| leaves | zarrckpt blocked | zarrckpt staged | staged % of copy bound | DCP cached stager blocked |")
+    print("|---|---|---|---|---|")
+    for n, r in results["leaves"].items():
+        z, d = r["zarrckpt"], r["dcp_cached_stager"]
+        print(f"| {n} | {z['blocked'] * 1e3:.1f} ms | {z['staged'] * 1e3:.1f} ms | {bound / z['staged'] * 100:.0f} % "
+              f"| {d['blocked'] * 1e3:.1f} ms |")
+    ns = list(results["leaves"])
+    if len(ns) >= 2:
+        lo, hi = results["leaves"][ns[0]]["zarrckpt"], results["leaves"][ns[-1]]["zarrckpt"]
+        print(f"blocked {ns[-1]} / {ns[0]} leaves: {hi['blocked'] / lo['blocked']:.2f}x; "
+              f"staged: {hi['staged'] / lo['staged']:.2f}x")
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                f"async-leaves-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
