@@ -21,6 +21,8 @@ exit; :func:`wait_for_saves` waits explicitly.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import gc
 import logging
 import threading
 import time
@@ -34,7 +36,7 @@ from ..distributed.staging import release_arenas, shared_arena, staged_nbytes
 from ..errors import SaveFailedError
 from ..format import tree as ztree
 from ..planning.state import is_array_leaf, resolve_stateful
-from .save import SaveOptions, SaveRun
+from .save import SaveOptions, SaveRun, forget_staging
 
 log = logging.getLogger("zarrckpt")
 
@@ -171,9 +173,10 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         _hooks()
         run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()
-        error = run.plan(defer_tree=True)
-        if error is None:
-            error = run.stage(shared_arena(), overlap=overlap)
+        with _gc_paused():
+            error = run.plan(defer_tree=True)
+            if error is None:
+                error = run.stage(shared_arena(), overlap=overlap)
         run.g.agree(error, f"planning and staging the save to {run.url!r}", SaveFailedError)
         run.g = side  # from here on, every collective of the save is on the side group
         fut = SaveFuture(run, time.perf_counter() - t0)
@@ -182,6 +185,21 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         threading.Thread(target=_background, args=(fut, side), name="zarrckpt-async-save",
                          daemon=False).start()
     return fut
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Planning and staging allocate a few objects per leaf; with thousands of leaves that
+    triggers the cyclic collector, whose full passes over a training process's heap took
+    0.1-0.2 s of the blocked time (2,169 leaves, CPU). It is paused for these few
+    milliseconds and runs later, as it would have anyway."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def local_staging_bytes(state_dict: dict) -> int:
@@ -213,4 +231,5 @@ def release_staging() -> None:
     """Free the staging buffers: the async-save one (after waiting for async saves in
     flight, which still read from it) and the one loads and sync saves stream through."""
     wait_for_saves()
+    forget_staging()
     release_arenas()

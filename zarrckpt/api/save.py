@@ -36,6 +36,7 @@ torch adapter: planning, packing, the boundary exchange and staging, and the rec
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import json
@@ -53,8 +54,8 @@ from ..engine import commit as _commit
 from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
-from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, pack_bytes, plan_state, restrict_to_holders,
-                             with_save_id, with_source)
+from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, pack_bytes, plan_state,
+                             restrict_to_holders, reusable_plans, with_save_id, with_source)
 from ..planning.state import is_array_leaf, resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
@@ -63,7 +64,7 @@ from ..storage import Storage, StorageOptions, open_storage
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["SaveOptions", "SaveRun", "plan_and_prepare", "run_save", "save"]
+__all__ = ["SaveOptions", "SaveRun", "forget_staging", "plan_and_prepare", "run_save", "save"]
 
 
 DEFAULT_CHUNK_TARGET_BYTES = 256 << 20  # see SaveOptions.chunk_target_bytes and BENCHMARKS.md
@@ -175,6 +176,7 @@ class SaveRun:
         self.tree: dict | None = {}
         self.resolved: Any = None  # the resolved state, while the tree is not encoded yet
         self.plan_token: Any = None  # plan_state's token: same plans as an earlier save
+        self.leaf_sources: list | None = None  # plans reused with their staging: this save's array leaves
         self.arrays: list[ArrayPlan] = []
         self.all_docs: dict[str, dict] = {}  # every array's zarr.json (rank 0: of all ranks)
         self.gathered: list | None = None  # rank 0, slow path: every rank's (tree, docs)
@@ -212,6 +214,13 @@ class SaveRun:
             self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
             self.resolved = resolve_stateful(self.state)
+            st = _STAGED
+            if defer_tree and st is not None:  # async: plans and staging of the last save, reused?
+                reuse = reusable_plans(self.resolved, self.g, self.options.plan)
+                if reuse is not None and reuse[0] is st.token:
+                    self.plan_token, self.leaf_sources = reuse
+                    self.tree, self.arrays = None, []  # the arrays come with the staging (stage())
+                    return None
             self.tree, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
                                                                  defer_tree=defer_tree)
             if self.tree is not None:
@@ -352,69 +361,69 @@ class SaveRun:
         current stream is made to wait for the copies (``overlap=False``), so later work
         on it cannot change the state too early; with ``overlap=True`` nothing waits, and
         the caller must call ``wait_staged`` before it changes the state.
-        ``self.staged_event`` marks the end of the copies."""
+        ``self.staged_event`` marks the end of the copies.
+
+        When the plans are those of the previous async save (same ``plan_token``) and the
+        arena is the same buffer, so are the host views and the staged plans
+        (:class:`_Staging`): the copies are issued in batches, and nothing is done per leaf
+        but collecting its source."""
+        global _STAGED
         t0 = time.perf_counter()
         try:
-            todo = [i for i, p in enumerate(self.arrays) if p.source is not None and (p.writes or p.sends)]
-            tensors = [self.arrays[i].source for i in todo if isinstance(self.arrays[i].source, torch.Tensor)]
-            self.bytes_staged = sum(staged_nbytes(t) for t in tensors)
-            arena.reserve(self.bytes_staged)
-            cuda = [t for t in tensors if t.device.type == "cuda"]
+            st = _STAGED
+            if self.leaf_sources is not None and st is not None and st.arena == arena.identity():
+                leaves = self.leaf_sources  # plan() found this save's plans in st
+                todo, srcs = st.todo, [local_data(leaves[j]) for j in st.leaf_index]
+                self.arrays = arrays = list(st.all_plans)
+            else:
+                if self.leaf_sources is not None:  # the arena changed meanwhile: plan as usual
+                    _, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
+                                                                 defer_tree=True)
+                    self.leaf_sources = None
+                arrays = self.arrays
+                todo = [i for i, p in enumerate(arrays) if p.source is not None and (p.writes or p.sends)]
+                srcs = [arrays[i].source for i in todo]
+            if not (self.plan_token is not None and st is not None and st.token is self.plan_token
+                    and st.todo == todo and st.arena == arena.identity()):
+                st = _STAGED = None
+                nbytes = sum(staged_nbytes(t) for t in srcs if isinstance(t, torch.Tensor))
+                arena.reserve(nbytes)
+            else:
+                nbytes = st.nbytes
+            self.bytes_staged = nbytes
+            cuda = st.cuda if st is not None else next(
+                (t.device for t in srcs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
             side = None
-            if cuda and arena.pinned:
-                device = cuda[0].device
-                side = _copy_stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
+            if cuda is not None and arena.pinned:
+                side = _copy_stream(cuda)
+                side.wait_stream(torch.cuda.current_stream(cuda))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                self._stage_into(arena, todo, bool(side is not None or cuda))
+                if st is None:
+                    st = _Staging.first(self, arena, todo, srcs, nbytes, cuda)
+                    if self.plan_token is not None:
+                        _STAGED = st
+                else:
+                    st.copy(srcs, arena)
+            if self.leaf_sources is None:  # else arrays are st.all_plans already
+                for i, plan in zip(todo, st.plans):
+                    arrays[i] = plan
+            self.staged = dict(st.views)
             if side is not None:
-                for t in cuda:
-                    t.record_stream(side)  # the caching allocator keeps their memory until then
+                if overlap:  # the sources' memory must outlive the copies on the side stream
+                    for t in srcs:
+                        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                            t.record_stream(side)
                 self.staged_event = torch.cuda.Event()
                 self.staged_event.record(side)
-                if not overlap:
-                    torch.cuda.current_stream(cuda[0].device).wait_event(self.staged_event)
-            else:
-                sync_devices(tensors)
+                if not overlap:  # later work on the current stream (frees included) waits
+                    torch.cuda.current_stream(cuda).wait_event(self.staged_event)
+            elif cuda is not None:
+                torch.cuda.synchronize()
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
             return e
         finally:
             self._timed("stage", t0)
         return None
-
-    def _stage_into(self, arena: Arena, todo: list[int], device: bool) -> None:
-        """The copies of ``stage``. When the plans are those of the previous async save
-        (same token) and the arena is the same buffer, the host views are too: one batched
-        copy (``torch._foreach_copy_``) instead of a view and a copy per leaf."""
-        global _STAGED
-        arrays = self.arrays
-        hit = _STAGED
-        if (self.plan_token is not None and hit is not None and hit[0] is self.plan_token
-                and hit[1] == arena.identity() and hit[2] == todo):
-            _, _, _, hosts, views, _ = hit
-            srcs = [arrays[i].source for i in todo]
-            tensors = [(h, s) for h, s in zip(hosts, srcs) if isinstance(s, torch.Tensor)]
-            if tensors:
-                torch._foreach_copy_([h for h, _ in tensors], [s for _, s in tensors], non_blocking=device)
-            for h, s in zip(hosts, srcs):
-                if not isinstance(s, torch.Tensor):
-                    h[...] = s
-            arena.skip(hit[5])
-        else:
-            hosts, views = [], []
-            for i in todo:
-                src = arrays[i].source
-                if isinstance(src, torch.Tensor):
-                    host, view = arena.stage(src)
-                else:
-                    host = view = np.array(src, copy=True)
-                hosts.append(host)
-                views.append(view)
-            _STAGED = (self.plan_token, arena.identity(), todo, hosts, views, arena.used())
-        for i, host, view in zip(todo, hosts, views):
-            p = arrays[i]
-            self.staged[p.key] = view
-            arrays[i] = with_source(p, host)
 
     def _needs_data(self, p: ArrayPlan) -> bool:
         """Does this rank write a chunk of ``p`` straight from its own local data?"""
@@ -511,10 +520,157 @@ class SaveRun:
         }
 
 
-# The host views of the last async save's staging: (plan token, arena identity, indices
-# staged, host tensors / arrays, NumPy views, arena bytes used). Async saves stage one
-# at a time (async_save's foreground lock).
-_STAGED: tuple | None = None
+class _Staging:
+    """How the last async save staged its plans, kept for the next one with the same plans
+    (async saves stage one at a time: async_save's foreground lock).
+
+    The first save copies leaf by leaf into the arena and records the host views and the
+    plans whose sources they are. A later save copies into the same views, in batches:
+    CUDA leaves of up to ``_SMALL`` bytes are first gathered on the device, one fused
+    ``torch._foreach_copy_`` per dtype into a device buffer laid out as their part of
+    the arena, then moved by one device->host copy per batch (thousands of small copies
+    would each pay a launch and a DMA setup); larger CUDA leaves and CPU leaves are copied
+    by ``_foreach_copy_`` straight into the arena."""
+
+    _SMALL = 4 << 20  # leaves up to this size are gathered on the device first
+    _BATCH = 64 << 20  # device buffer of one batch (the arena span of its leaves)
+
+    def __init__(self) -> None:
+        self.token: Any = None
+        self.todo: list[int] = []
+        self.arena: tuple[int, int] = (0, 0)
+        self.nbytes = 0
+        self.used = 0
+        self.cuda: torch.device | None = None
+        self.hosts: list[Any] = []
+        self.plans: list[ArrayPlan] = []
+        self.views: list[tuple[str, np.ndarray]] = []
+        self.direct: list[int] = []  # positions copied straight into the arena (tensors)
+        self.values: list[int] = []  # positions of NumPy sources (copied with [...] =)
+        self.batches: list[tuple[int, int, list[tuple[list[int], list[torch.Tensor]]]]] = []
+        self.device_buf: torch.Tensor | None = None
+        self.parts: list[list[int]] = []  # host copies: ``direct`` split for the copy threads
+        self.leaf_index: list[int] = []  # per staged plan: its array leaf's index (plan_state order)
+        self.all_plans: tuple[ArrayPlan, ...] = ()
+
+    @classmethod
+    def first(cls, run: SaveRun, arena: Arena, todo: list[int], srcs: list, nbytes: int,
+              cuda: torch.device | None) -> _Staging:
+        st = cls()
+        st.token, st.todo, st.nbytes, st.cuda = run.plan_token, todo, nbytes, cuda
+        base = arena.base_ptr()
+        small: list[tuple[int, int, int]] = []  # (arena offset, nbytes, position) of small CUDA leaves
+        for k, (i, src) in enumerate(zip(todo, srcs)):
+            p = run.arrays[i]
+            if isinstance(src, torch.Tensor):
+                host, view = arena.stage(src)
+                n = src.numel() * src.element_size()
+                if src.device.type == "cuda" and arena.pinned and 0 < n <= cls._SMALL and src.is_contiguous():
+                    small.append((host.data_ptr() - base, n, k))
+                else:
+                    st.direct.append(k)
+            else:
+                host = view = np.array(src, copy=True)
+                st.values.append(k)
+            st.hosts.append(host)
+            st.views.append((p.key, view))
+            st.plans.append(with_source(p, host))
+        st.arena, st.used = arena.identity(), arena.used()
+        st.parts = _split_by_bytes(st.direct, [st.hosts[k].numel() * st.hosts[k].element_size() for k in st.direct])
+        if run.plan_token is not None:
+            order = leaf_order(run.plan_token)
+            st.leaf_index = [order[i] for i in todo]
+            staged = dict(zip(todo, st.plans))
+            # every plan of the save: staged ones with their host copies, the others without
+            # a source (this rank writes and sends nothing of them)
+            st.all_plans = tuple(staged.get(i) or with_source(p, None) for i, p in enumerate(run.arrays))
+        # batches: runs of small leaves whose arena span fits one device buffer
+        run_: list[tuple[int, int, int]] = []
+        for item in small + [None]:
+            if run_ and (item is None or item[0] + item[1] - run_[0][0] > cls._BATCH):
+                start = run_[0][0]
+                end = run_[-1][0] + run_[-1][1]
+                st.batches.append((start, end, st._by_dtype(run_, start)))
+                run_ = []
+            if item is not None:
+                run_.append(item)
+        return st
+
+    def _by_dtype(self, run_: list[tuple[int, int, int]], start: int) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Per dtype: the positions and their device views (made once the buffer exists)."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for off, n, k in run_:
+            groups.setdefault(self.hosts[k].dtype, []).append(k)
+        return [(ks, []) for ks in groups.values()]
+
+    def copy(self, srcs: list, arena: Arena) -> None:
+        hosts = self.hosts
+        if self.batches:
+            span = max(end - start for start, end, _ in self.batches)
+            if self.device_buf is None or self.device_buf.numel() < span:
+                self.device_buf = torch.empty(span, dtype=torch.uint8, device=self.cuda)
+                base = arena.base_ptr()
+                for start, _, groups in self.batches:
+                    for ks, views in groups:
+                        views.clear()
+                        for k in ks:
+                            h = hosts[k]
+                            off = h.data_ptr() - base - start
+                            views.append(self.device_buf[off:off + h.numel() * h.element_size()]
+                                         .view(h.dtype).view(h.shape))
+            buf = arena.raw()
+            for start, end, groups in self.batches:
+                for ks, views in groups:
+                    torch._foreach_copy_(views, [srcs[k] for k in ks])
+                buf[start:end].copy_(self.device_buf[:end - start], non_blocking=True)
+        if self.direct:
+            if self.cuda is None and self.parts:  # host memory: copies in parallel
+                list(_copy_pool().map(lambda ks: torch._foreach_copy_([hosts[k] for k in ks], [srcs[k] for k in ks]),
+                                      self.parts))
+            else:
+                torch._foreach_copy_([hosts[k] for k in self.direct], [srcs[k] for k in self.direct],
+                                     non_blocking=self.cuda is not None and arena.pinned)
+        for k in self.values:
+            hosts[k][...] = srcs[k]
+        arena.skip(self.used)
+
+
+_STAGED: _Staging | None = None
+_COPY_POOL: cf.ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> cf.ThreadPoolExecutor:
+    """Threads for host-to-host staging copies: a memcpy per leaf is bound by one core,
+    and thousands of small leaves are copied faster by several (torch releases the GIL)."""
+    global _COPY_POOL
+    if _COPY_POOL is None:
+        _COPY_POOL = cf.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="zarrckpt-stage")
+    return _COPY_POOL
+
+
+_COPY_THREADS = max(1, min(8, torch.get_num_threads()))
+
+
+def _split_by_bytes(ks: list[int], sizes: list[int]) -> list[list[int]]:
+    """``ks`` in at most _COPY_THREADS runs of about equal bytes; [] when copying them
+    in one call is as good (few leaves, or few bytes)."""
+    total = sum(sizes)
+    if _COPY_THREADS < 2 or len(ks) < 64 or total < (16 << 20):
+        return []
+    parts: list[list[int]] = [[]]
+    acc, step = 0, total / _COPY_THREADS
+    for k, n in zip(ks, sizes):
+        if acc >= step * len(parts) and len(parts) < _COPY_THREADS:
+            parts.append([])
+        parts[-1].append(k)
+        acc += n
+    return parts
+
+
+def forget_staging() -> None:
+    """Drop the last async save's staging record (its host views and device buffer)."""
+    global _STAGED
+    _STAGED = None
 
 
 def _as_bytes(pairs):

@@ -55,6 +55,13 @@ class Arena:
     def used(self) -> int:
         return self._offset
 
+    def base_ptr(self) -> int:
+        return self._buf.data_ptr()
+
+    def raw(self) -> torch.Tensor:
+        """The whole buffer, as uint8."""
+        return self._buf
+
     def skip(self, nbytes: int) -> None:
         """Mark ``nbytes`` from the start as taken (views kept from an earlier fill)."""
         if nbytes > self.capacity:

@@ -27,8 +27,8 @@ from .state import checked_dtype, checked_tensor, is_array_leaf
 from ..errors import UnsupportedPlacementError, UnsupportedValueError
 from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
 
-__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "pack_bytes", "plan_state",
-           "restrict_to_holders", "with_save_id", "with_source"]
+__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "leaf_order", "local_data",
+           "pack_bytes", "plan_state", "restrict_to_holders", "reusable_plans", "with_save_id", "with_source"]
 
 PACK_ALIGN = 8
 PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")
@@ -220,12 +220,8 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions, *, defer_tr
     caller encodes it later, e.g. off the critical path; ``resolved`` is its own copy of
     the containers, :func:`resolve_stateful`, and the leaves are unchanged types)."""
     okey = json.dumps(asdict(options), sort_keys=True, default=repr)
-    leaves = list(ztree.flatten(resolved, is_array_leaf))
-    sig = _signature(leaves)
-    ck = (tuple(g.global_ranks()), g.rank, okey)
-    with _CACHE_LOCK:
-        hit = _STATES.get(ck)
-    if sig is not None and hit is not None and hit[0] == sig:
+    hit, leaves, sig = _lookup(resolved, g, okey)
+    if hit is not None:
         _, plans, order = hit
         sources = [leaf for _, leaf in leaves if is_array_leaf(leaf)]
         out = [_with(plans[i], source=None if plans[i].coord is None else _fast_source(sources[j]))
@@ -242,8 +238,37 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions, *, defer_tr
         with _CACHE_LOCK:
             if len(_STATES) >= 16:
                 _STATES.clear()
-            _STATES[ck] = entry
+            _STATES[(tuple(g.global_ranks()), g.rank, okey)] = entry
     return tree, plans, entry
+
+
+def _lookup(resolved: dict, g: zdist.Group, okey: str) -> tuple[Any, list, tuple | None]:
+    """(the cached entry whose signature this state has, or None; the leaves; the signature)."""
+    leaves = list(ztree.flatten(resolved, is_array_leaf))
+    sig = _signature(leaves)
+    with _CACHE_LOCK:
+        hit = _STATES.get((tuple(g.global_ranks()), g.rank, okey))
+    return (hit if sig is not None and hit is not None and hit[0] == sig else None), leaves, sig
+
+
+def reusable_plans(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[Any, list] | None:
+    """(token, array leaves in key-path order) when ``plan_state`` would reuse the plans of
+    an earlier save (the same token); None otherwise. For callers that keep what they
+    derived from those plans (async staging) and need only this save's leaves."""
+    hit, leaves, _ = _lookup(resolved, g, json.dumps(asdict(options), sort_keys=True, default=repr))
+    if hit is None:
+        return None
+    return hit, [leaf for _, leaf in leaves if is_array_leaf(leaf)]
+
+
+def leaf_order(token: Any) -> dict[int, int]:
+    """Plan index (in key order) -> array-leaf index (in key-path order), of a token."""
+    return dict(token[2])
+
+
+def local_data(leaf: Any) -> Any:
+    """The local data of an array leaf whose plan is reused (see ``reusable_plans``)."""
+    return _fast_source(leaf)
 
 
 # The previous save's plans per (group, rank, options): (signature, plans without sources,
