@@ -115,7 +115,7 @@ def test_four_ranks_save_grouped_chunks_and_load_on_other_meshes(tmp_path, clust
     assert files["model/emb"] == ["c/0/0"]  # four 512 KiB shards: one object
     assert files["model/w"] == ["c/0/0", "c/1/0"]  # three whole 1025-row shards, then the last
     assert files["model/tp"] == ["c/0/0"]  # 2x2 shards of 256 KiB: grouped along dim 0, then dim 1
-    assert len(files["model/big"]) == 4  # 2 MiB shards are at the target alone
+    assert len(files["model/big"]) == 4  # 2 MiB shards are objects of a good size alone
     assert files["model/bias"] == ["c/0"]
     same = c.run(_grouped.load_and_compare, path, "save")  # compares every element on every rank
     for r in same:  # a rank reads its own shards out of the grouped chunks, nothing more
@@ -151,3 +151,17 @@ def test_async_saves_of_grouped_chunks_exchange_in_the_background(tmp_path, clus
     out = clusters(4).run(_grouped.async_repeated, str(tmp_path))
     for r in out:
         assert r["chunk_files"] == [6, 6, 6]  # one chunk per array, not one per rank
+
+
+def test_shards_of_a_sixteenth_of_the_target_or_more_are_not_grouped():
+    """Appendix C.1 step 3: a cell of at least chunk_target_bytes / 16 is an object of a
+    good size already; grouping it would only move data between ranks (2-GPU saves of
+    16-64 MB shards were slower with it)."""
+    from zarrckpt.format.layout import GROUP_MIN_FRACTION, Layout, Shard
+
+    target = (256 << 20) // 4  # elements of fp32
+    cell_rows = target // GROUP_MIN_FRACTION // 1024  # a 16 MiB cell of 1024 columns
+    at = Layout((2 * cell_rows, 1024), (2,), (Shard(0),), group_min_elems=target)
+    below = Layout((2 * (cell_rows - 1), 1024), (2,), (Shard(0),), group_min_elems=target)
+    assert at.chunk_shape == (cell_rows, 1024) and not at.grouped
+    assert below.chunk_shape == (2 * (cell_rows - 1), 1024) and below.grouped

@@ -199,6 +199,9 @@ class Send:
     box: Box
 
 
+GROUP_MIN_FRACTION = 16  # cells of at least 1/16 of the group target are not grouped (Appendix C.1)
+
+
 class Layout:
     """How one global tensor is spread over a mesh; see the module docstring."""
 
@@ -336,9 +339,13 @@ class Layout:
         """Chunks of whole neighbouring cells (shards), grown along the sharded dims in
         order until a chunk holds at least ``want`` elements or the dim holds no more whole
         cells (spec Appendix C.1): fewer, larger objects for small shards, each still a
-        union of whole shards, so a shard's data is one box of one chunk."""
+        union of whole shards, so a shard's data is one box of one chunk. Cells of at least
+        ``want / GROUP_MIN_FRACTION`` elements are objects of a good size already and stay
+        one chunk each: grouping them would only move data between ranks."""
         chunk = list(self.cell_shape)
         elems = math.prod(chunk)
+        if elems * GROUP_MIN_FRACTION >= want:
+            return tuple(chunk)
         for d, cell in enumerate(self.cell_shape):
             if elems >= want:
                 break
