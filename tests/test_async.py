@@ -183,3 +183,21 @@ def test_later_saves_reuse_the_plans_and_follow_every_change(tmp_path, monkeypat
         assert got["step"] == state["step"]
         for k, v in state["model"].items():
             assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), (i, k)
+
+
+def test_the_future_is_a_concurrent_future_with_a_staging_future(tmp_path):
+    """Issue 17 item 3: trainers assert concurrent.futures.Future (torchtitan) and wait for
+    staging alone (DCP's AsyncSaveResponse names)."""
+    import concurrent.futures as cf
+
+    calls = []
+    fut = zarrckpt.async_save({"w": torch.ones(8)}, tmp_path / "c")
+    assert isinstance(fut, cf.Future) and isinstance(fut.staging_completion, cf.Future)
+    assert fut.upload_completion is fut
+    fut.add_done_callback(lambda f: calls.append(f.result()["path"]))
+    assert fut.staging_completion.result(timeout=60) == fut.staged_seconds  # CPU: staged at the call
+    done, _ = cf.wait([fut], timeout=60)
+    assert done == {fut} and calls == [fut.result()["path"]]
+    bad = zarrckpt.async_save({"w": torch.ones(8)}, tmp_path / "c")  # exists: fails in the background
+    assert isinstance(bad.exception(timeout=60), zarrckpt.CheckpointExistsError)
+    assert bad.staging_completion.done()

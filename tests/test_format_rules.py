@@ -98,3 +98,35 @@ def test_root_attributes_reads_pending_and_damaged_roots_leniently():
 @given(st.text(max_size=80))
 def test_is_save_id(text):
     assert fmt.is_save_id(text) == (16 <= len(text) <= 64 and all(c in "0123456789abcdef" for c in text))
+
+
+TRAINER_PATTERNS = [r"step-(\d+)", r"step_(\d+)", r"checkpoint-(\d+)", r"epoch=.*-step=", r"step=(\d+)"]
+
+
+@given(st.sampled_from(["step-15", "step_00000015", "checkpoint-500", "epoch=3-step=1200", "step=7", "ckpt"]),
+       SAVE_IDS)
+def test_no_leftover_name_matches_a_trainers_checkpoint_pattern(name, save_id):
+    """Issue 17 item 4 (spec §7.5): torchtitan purges by ``step-(\\d+)``, Hugging Face by
+    ``checkpoint-(\\d+)``, Lightning by ``epoch=..-step=..``; a save in flight must not look
+    like a checkpoint to them, whatever the name it saves to."""
+    import re
+
+    for entry in (fmt.staging_name(name, save_id), fmt.staging_name(name, save_id) + "-old",
+                  fmt.lock_name(name, save_id)):
+        assert not any(re.search(p, entry) for p in TRAINER_PATTERNS), entry
+        assert len(entry.encode()) <= 255
+
+
+def test_long_names_are_hashed_and_still_matched():
+    name = "x" * 150
+    entry = fmt.staging_name(name, "ab" * 15)
+    assert len(entry) < 255 and "x" not in entry
+    kind, got, sid = fmt.parse_leftover_name(entry)
+    assert kind == "directory" and got == fmt.leftover_name(name) and sid == "ab" * 15
+    assert fmt.lock_name(got, sid) == fmt.lock_name(name, sid)  # the stand-in names the same lock
+
+
+def test_leftovers_of_zarrckpt_0_1_are_still_recognized():
+    sid = "ab" * 15
+    assert fmt.parse_leftover_name(f".step-15.zarrckpt-{sid}") == ("directory", "step-15", sid)
+    assert fmt.parse_leftover_name(f".step-15.zarrckpt-{sid}.lock") == ("lock", "step-15", sid)

@@ -48,28 +48,35 @@ _state_lock = threading.Lock()
 _inflight: list[SaveFuture] = []
 
 
-class SaveFuture:
-    """The handle ``async_save`` returns.
+class SaveFuture(cf.Future):
+    """The handle ``async_save`` returns: a :class:`concurrent.futures.Future` of the save's
+    report (``result(timeout)`` returns it or raises the save's error, the same class on
+    every rank, naming the failing ranks; ``done()``, ``exception()``,
+    ``add_done_callback()``, ``concurrent.futures.wait`` work as for any future).
 
-    ``staged_seconds``: how long the caller was blocked (set before return).
-    ``wait_staged(stream=None)``: CUDA state is copied to host on a side stream after
-    ``async_save`` returns; this waits for those copies (on the CPU, or, given a CUDA
-    stream, on that stream without blocking the CPU). Until then the state must not be
-    changed; by default the current stream already waits for them.
-    ``staged()``: are the copies done?
-    ``done()`` / ``result(timeout)``: the commit; ``result`` returns the report or raises
-    the save's error (every rank raises the same class, naming the failing ranks).
+    ``staging_completion``: a second future, done when the state may change, i.e. when the
+    device->host copies are done (at once on the CPU; CUDA copies run on a side stream after
+    ``async_save`` returns). ``upload_completion`` is the future itself. The two names are
+    those of DCP's ``AsyncSaveResponse``, for trainers written against it.
+    ``wait_staged(stream=None)``: wait for those copies on the CPU, or, given a CUDA
+    stream, make that stream wait without blocking the CPU; ``staged()``: are they done?
+    By default the current stream already waits for them.
+    ``staged_seconds``: how long the caller was blocked.
     """
 
     def __init__(self, run: SaveRun, staged_seconds: float) -> None:
+        super().__init__()
         self.run = run
         self.path = run.url
         self.staged_seconds = staged_seconds
         self.committed_at: float | None = None
-        self._future: cf.Future = cf.Future()
+        self.staging_completion: cf.Future = cf.Future()
+        if run.staged_event is None:
+            self.staging_completion.set_result(staged_seconds)
 
-    def done(self) -> bool:
-        return self._future.done()
+    @property
+    def upload_completion(self) -> SaveFuture:
+        return self
 
     def wait_staged(self, stream: Any = None) -> None:
         ev = self.run.staged_event
@@ -84,11 +91,12 @@ class SaveFuture:
         ev = self.run.staged_event
         return ev is None or ev.query()
 
-    def result(self, timeout: float | None = None) -> dict:
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+    def _staging_done(self, error: BaseException | None = None) -> None:
+        if not self.staging_completion.done():
+            if error is None:
+                self.staging_completion.set_result(self.staged_seconds)
+            else:
+                self.staging_completion.set_exception(error)
 
     def __repr__(self) -> str:
         state = "committed" if self.done() and not self.exception() else (
@@ -102,6 +110,7 @@ def _background(fut: SaveFuture, side: zdist.Group) -> None:
         try:
             if run.staged_event is not None:
                 run.staged_event.synchronize()
+            fut._staging_done()
             run.agree(None)
             run.prepare()
             run.exchange()
@@ -113,10 +122,11 @@ def _background(fut: SaveFuture, side: zdist.Group) -> None:
         report = run.report()
         report["seconds"]["blocked"] = fut.staged_seconds
         log.info("zarrckpt async save %s: %s", report["path"], report)
-        fut._future.set_result(report)
+        fut.set_result(report)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
         log.error("zarrckpt async save to %s failed: %s", run.url, e)
-        fut._future.set_exception(e)
+        fut._staging_done(e)
+        fut.set_exception(e)
     finally:
         with _state_lock:
             if fut in _inflight:
@@ -132,7 +142,7 @@ def wait_for_saves(timeout: float | None = None) -> list[SaveFuture]:
     deadline = None if timeout is None else time.monotonic() + timeout
     for f in futures:
         left = None if deadline is None else max(deadline - time.monotonic(), 0)
-        cf.wait([f._future], timeout=left)
+        cf.wait([f], timeout=left)
     return futures
 
 
@@ -168,7 +178,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         with _state_lock:
             previous = list(_inflight)
         for f in previous:  # its staging buffer is about to be reused
-            cf.wait([f._future])
+            cf.wait([f])
         run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata)
         _hooks()
         run.enter("async_save")  # before the side group, whose creation needs every rank

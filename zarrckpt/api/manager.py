@@ -202,7 +202,7 @@ class CheckpointManager:
             self._futures.append((step, fut))
             handed_off = threading.Event()  # set once its retention is queued
             self._handoffs.append(handed_off)
-            fut._future.add_done_callback(lambda _, s=step, ev=handed_off: self._after_async_save(s, ev))
+            fut.add_done_callback(lambda _, s=step, ev=handed_off: self._after_async_save(s, ev))
             return fut
         with self._lock:
             self._writing.discard(step)

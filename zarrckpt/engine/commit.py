@@ -6,7 +6,7 @@ On a local file system a save never writes into the path it commits to:
    checkpoint without ``overwrite`` and anything foreign; if the path is empty,
    absent or an interrupted save, it *claims* it with a pending root
    ``zarr.json`` holding this save's id. It then creates the save's own
-   directory next to it, ``.<name>.zarrckpt-<save_id>``, where every rank writes.
+   directory next to it, ``.zarrckpt-<save_id>.<hex of name>``, where every rank writes.
 2. :func:`publish` writes the committed root into that directory, then (under
    the lock again) checks the path: still this save's claim, or (with
    ``overwrite``) a committed checkpoint → the directory is moved into place in
@@ -27,7 +27,7 @@ interrupted save, reusable with ``overwrite``), and the commit is a conditional
 write that succeeds only while the root is still this save's pending one.
 
 Leftovers (spec §7.5). On a file system rank 0 holds an exclusive ``flock`` on
-``.<name>.zarrckpt-<save_id>.lock`` beside the location (:class:`SaveLock`) from
+``.zarrckpt-<save_id>.<hex of name>.lock`` beside the location (:class:`SaveLock`) from
 before its claim until its directory is gone; the kernel drops it when the
 process dies, SIGKILL included. :func:`clean_leftovers` removes the hidden
 directories, pending claims and lock files of saves whose lock it can take (or
@@ -280,7 +280,7 @@ def retire(location: Storage) -> None:
 
 
 class SaveLock:
-    """Rank 0's exclusive ``flock`` on ``.<name>.zarrckpt-<id>.lock`` beside the location,
+    """Rank 0's exclusive ``flock`` on ``.zarrckpt-<id>.<hex of name>.lock`` beside the location,
     taken before any file of the save exists and released (the file deleted) after the
     save's directory is gone. The kernel releases it when the process dies, SIGKILL
     included, so a cleaner that can take it knows the save is dead (spec §7.5)."""
@@ -372,7 +372,7 @@ class Leftover:
 def clean_leftovers(directory: str | os.PathLike, *, dry_run: bool = False, name: str | None = None,
                     keep: tuple[str, ...] = (), options: StorageOptions | None = None) -> list[Leftover]:
     """Find, under the local ``directory``, what saves left (hidden directories
-    ``.<name>.zarrckpt-<id>``, pending claims, lock files), and remove those of saves
+    ``.zarrckpt-<id>.<hex of name>``, pending claims, lock files), and remove those of saves
     that are gone: whose lock file is absent or can be locked (spec §7.5). Returns every
     leftover found, live ones included (``live=True``, left alone); with ``dry_run`` nothing
     is removed. ``name``: only leftovers of that checkpoint name; ``keep``: save ids to
@@ -388,12 +388,13 @@ def clean_leftovers(directory: str | os.PathLike, *, dry_run: bool = False, name
     for (nm, sid), items in _scan_leftovers(parent, name).items():
         if sid in keep:
             continue
-        dead, fd = _take_if_dead(os.path.join(parent, fmt.lock_name(nm, sid)))
+        lock = next((entry for kind, entry in items if kind == "lock"), fmt.lock_name(nm, sid))
+        dead, fd = _take_if_dead(os.path.join(parent, lock))
         try:
             found += [Leftover(os.path.join(parent, entry), kind, nm, sid, _du(os.path.join(parent, entry)),
                                not dead) for kind, entry in items]
             if dead and not dry_run:
-                _remove_dead(parent, nm, sid, items)
+                _remove_dead(parent, lock, sid, items)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -414,7 +415,7 @@ def _scan_leftovers(parent: str, name: str | None) -> dict[tuple[str, str], list
         found = fmt.parse_leftover_name(entry)
         if found is not None:
             kind, nm, sid = found
-            if (name is None or nm == name) and (
+            if (name is None or nm == fmt.leftover_name(name)) and (
                     kind == "lock" or (os.path.isdir(path) and not os.path.islink(path))):
                 out.setdefault((nm, sid), []).append((kind, entry))
         elif name is None or entry == name:
@@ -438,8 +439,9 @@ def _pending_claim(path: str) -> str | None:
     return sid if state == "pending" and fmt.is_save_id(sid) else None
 
 
-def _remove_dead(parent: str, name: str, save_id: str, items: list[tuple[str, str]]) -> None:
-    """Remove a dead save's leftovers (its lock held by us, or gone), the lock file last."""
+def _remove_dead(parent: str, lock: str, save_id: str, items: list[tuple[str, str]]) -> None:
+    """Remove a dead save's leftovers (its lock file ``lock`` held by us, or gone), the
+    lock file last."""
     for kind, entry in items:
         path = os.path.join(parent, entry)
         if kind == "directory":
@@ -450,11 +452,11 @@ def _remove_dead(parent: str, name: str, save_id: str, items: list[tuple[str, st
                     _rmtree(path)
         log.info("zarrckpt: removed %s, left by save %s that is no longer running", path, save_id)
     try:
-        os.unlink(os.path.join(parent, fmt.lock_name(name, save_id)))
+        os.unlink(os.path.join(parent, lock))
     except FileNotFoundError:
         pass
     except OSError as e:
-        raise storage_error(f"deleting {os.path.join(parent, fmt.lock_name(name, save_id))!r}", e) from e
+        raise storage_error(f"deleting {os.path.join(parent, lock)!r}", e) from e
 
 
 def _rmtree(path: str) -> None:

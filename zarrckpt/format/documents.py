@@ -68,6 +68,7 @@ __all__ = [
     "group_paths",
     "inner_chunk_shape",
     "is_save_id",
+    "leftover_name",
     "lock_name",
     "new_save_id",
     "parse_array",
@@ -366,30 +367,73 @@ def parse_step_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _name_token(name: str) -> str:
+    """``name`` as it appears in the names of a save's leftovers (spec §7.5): its UTF-8 bytes
+    in lowercase hexadecimal, or, beyond 100 bytes, ``h`` and their SHA-256. Hex digits
+    spell no word, so no leftover matches a trainer's checkpoint pattern (``step-N``,
+    ``step_N``, ``checkpoint-N``, ``epoch=..-step=..``)."""
+    if name.startswith(_HASHED):  # a name parse_leftover_name could only hash
+        return "h" + name[len(_HASHED):]
+    raw = name.encode("utf-8", "surrogateescape")
+    return raw.hex() if len(raw) <= _MAX_HEX_NAME else "h" + hashlib.sha256(raw).hexdigest()
+
+
+_MAX_HEX_NAME = 100  # bytes: with zarrckpt's 30-digit save ids a lock file's name is then at most 246 bytes
+_HASHED = "/sha256/"  # what parse_leftover_name gives for a hashed name (no real name holds "/")
+
+
 def staging_name(name: str, save_id: str) -> str:
     """The directory a save of ``save_id`` to the directory ``name`` writes into, next to
-    it (file systems, spec §7.3); ``-old`` is appended to a replaced checkpoint moved aside."""
-    return f".{name}.zarrckpt-{save_id}"
+    it (file systems, spec §7.3, §7.5); ``-old`` is appended to a replaced checkpoint moved
+    aside."""
+    return f".zarrckpt-{save_id}.{_name_token(name)}"
 
 
 def lock_name(name: str, save_id: str) -> str:
     """The lock file that says the save ``save_id`` of ``name`` is alive (spec §7.5)."""
-    return f".{name}.zarrckpt-{save_id}.lock"
+    return f".zarrckpt-{save_id}.{_name_token(name)}.lock"
 
 
-_STAGING_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})(?:-old)?", re.DOTALL)
-_LOCK_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.lock", re.DOTALL)
+def leftover_name(name: str) -> str:
+    """What :func:`parse_leftover_name` reports as the name of ``name``'s leftovers: the
+    name itself, or, for names too long to spell in a leftover's name, a stand-in."""
+    token = _name_token(name)
+    return _HASHED + token[1:] if token.startswith("h") else name
+
+
+_STAGING_NAME = re.compile(r"\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.(?P<tok>h[0-9a-f]{64}|(?:[0-9a-f]{2})+)(?:-old)?")
+_LOCK_NAME = re.compile(r"\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.(?P<tok>h[0-9a-f]{64}|(?:[0-9a-f]{2})+)\.lock")
+# the names of zarrckpt 0.1 (format 1.1 drafts): .<name>.zarrckpt-<id>[-old|.lock]; they embed
+# the name as it is, so a step-15's leftover matched a trainer's step pattern
+_OLD_STAGING_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})(?:-old)?", re.DOTALL)
+_OLD_LOCK_NAME = re.compile(r"\.(?P<name>.+)\.zarrckpt-(?P<id>[0-9a-f]{16,64})\.lock", re.DOTALL)
+
+
+def _token_name(tok: str) -> str | None:
+    if tok.startswith("h"):
+        return _HASHED + tok[1:]
+    try:
+        return bytes.fromhex(tok).decode("utf-8", "surrogateescape")
+    except ValueError:
+        return None
 
 
 def parse_leftover_name(entry: str) -> tuple[str, str, str] | None:
     """``(kind, name, save id)`` of a directory entry that a save of ``name`` makes next
     to it (spec §7.5): kind ``"lock"`` (its lock file) or ``"directory"`` (its staging
-    directory, or a replaced checkpoint moved aside); None for any other entry."""
-    m = _LOCK_NAME.fullmatch(entry)
-    if m:
-        return "lock", m["name"], m["id"]
-    m = _STAGING_NAME.fullmatch(entry)
-    return ("directory", m["name"], m["id"]) if m else None
+    directory, or a replaced checkpoint moved aside); None for any other entry. Names of
+    zarrckpt 0.1's leftovers (``.<name>.zarrckpt-<id>``) are recognized too. ``name`` is
+    :func:`leftover_name` of the location's name."""
+    for kind, new, old in (("lock", _LOCK_NAME, _OLD_LOCK_NAME), ("directory", _STAGING_NAME, _OLD_STAGING_NAME)):
+        m = new.fullmatch(entry)
+        if m:
+            name = _token_name(m["tok"])
+            if name is not None:
+                return kind, name, m["id"]
+        m = old.fullmatch(entry)
+        if m and not m["name"].startswith("zarrckpt-"):
+            return kind, m["name"], m["id"]
+    return None
 
 
 def is_save_id(value: Any) -> bool:

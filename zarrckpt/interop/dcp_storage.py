@@ -76,7 +76,7 @@ Decisions:
   non-tensor items present on several ranks.
 * **Failure.** DCP has no abort hook: when a rank fails, ``finish`` is not called and
   nothing is committed; what the save wrote is a ``pending`` claim and (file systems) the
-  hidden ``.<name>.zarrckpt-<id>`` directory, both refused by readers. The coordinator's
+  hidden ``.zarrckpt-<id>.<hex of name>`` directory, both refused by readers. The coordinator's
   writer removes them (``engine.commit.abandon``) at its next save, at :meth:`abort`, when
   it is garbage-collected, or at interpreter exit; a killed process leaves what
   ``zarrckpt clean`` removes.
