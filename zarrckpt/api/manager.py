@@ -56,7 +56,7 @@ from ..engine import commit as _commit
 from ..format import documents as fmt
 from .._optional import require
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
-                      ManagerClosedError, StorageError, ZarrckptError)
+                      ManagerClosedError, StorageError)
 from ..storage import open_storage
 
 log = logging.getLogger("zarrckpt")
@@ -64,23 +64,75 @@ log = logging.getLogger("zarrckpt")
 __all__ = ["CheckpointManager"]
 
 
+def _check_root(root: Any, what: str) -> None:
+    """A path or URL a manager can use: refuse what is surely a mistake before anything
+    is created (an empty or blank string, spaces around a path)."""
+    from ..storage import Storage
+
+    if isinstance(root, Storage):  # a storage object (tests, custom backends) is checked by itself
+        return
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a path or URL (str or os.PathLike), not {type(root).__name__}")
+    text = os.fspath(root)
+    if isinstance(text, bytes):
+        raise TypeError(f"{what} must be a str path, not bytes")
+    if not text.strip():
+        raise ValueError(f"{what} is empty or blank ({text!r}): give the directory or URL of the run")
+    if text != text.strip():
+        raise ValueError(f"{what} {text!r} begins or ends with white space; pass {text.strip()!r} if "
+                         "that is what you meant")
+
+
 
 class CheckpointManager:
     """Save, retain, find and restore per-step checkpoints; see the module docstring.
 
     Every rank of ``process_group`` creates the manager and calls ``save``/``restore``
-    (SPMD). ``save_options`` are passed to every save (``compression``, ``pack_bytes``...);
+    (SPMD). ``save_options`` are passed to every save (``compression``...);
     ``storage=StorageOptions(...)`` among them also reaches every restore (unless it passes
     its own), retention and cleaning.
+
+    The policies trainers configure (torchtitan's names in brackets):
+
+    * ``save_interval`` [``interval``]: ``save(step, ...)`` saves only steps that are a
+      multiple of it (None: every call saves); ``save_first_step``
+      [``enable_first_step_checkpoint``] also saves step 1; ``save(..., last=True)``
+      [``last_step``] and ``save(..., force=True)`` (preemption) always save.
+      :meth:`should_save` says whether a call would.
+    * ``last_save_model_only`` + ``export_dtype`` [same names]: the last save stores only
+      ``state[model_key]``, floating tensors cast to ``export_dtype`` (a model export).
+    * ``initial_load_path`` + ``initial_load_model_only`` [same names]: when the root holds
+      no committed step, :meth:`restore` loads from that checkpoint (only
+      ``state[model_key]`` by default) and returns 0.
+    * ``load_only`` [same name]: ``save`` saves nothing.
+    * ``restore(..., cast=True)``: load checkpoints of other dtypes (a bf16 export into an
+      fp32 model), and every other option of :func:`zarrckpt.load`.
+
+    Retention errors after a commit (an undeletable step, a root that cannot be listed) are
+    logged as warnings; the save they follow has committed and ``save`` does not raise.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None,
                  best_metric: str = "loss", best_mode: str = "min", process_group: Any = None,
-                 async_save: bool = False, **save_options: Any) -> None:
-        for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
-            if v is not None and (not isinstance(v, int) or v < 1):
+                 async_save: bool = False, save_interval: int | None = None, save_first_step: bool = False,
+                 last_save_model_only: bool = False, export_dtype: Any = None, model_key: str = "model",
+                 initial_load_path: str | os.PathLike | None = None, initial_load_model_only: bool = True,
+                 load_only: bool = False, **save_options: Any) -> None:
+        _check_root(root, "root")
+        if initial_load_path is not None:
+            _check_root(initial_load_path, "initial_load_path")
+        for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
+                        ("save_interval", save_interval)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {v!r}")
+        if export_dtype is not None:
+            import torch
+
+            if not isinstance(export_dtype, torch.dtype) or not export_dtype.is_floating_point:
+                raise ValueError(f"export_dtype must be a floating torch.dtype or None, not {export_dtype!r}")
+        if not isinstance(model_key, str) or not model_key:
+            raise ValueError(f"model_key must be a non-empty str, not {model_key!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         from .._optional import require
@@ -96,6 +148,11 @@ class CheckpointManager:
         self.process_group = process_group
         self.async_save = async_save
         self.save_options = save_options
+        self.save_interval, self.save_first_step = save_interval, bool(save_first_step)
+        self.last_save_model_only, self.export_dtype, self.model_key = bool(last_save_model_only), export_dtype, model_key
+        self.initial_load_path, self.initial_load_model_only = initial_load_path, bool(initial_load_model_only)
+        self.load_only = bool(load_only)
+        self.restored_from: str | None = None  # "step" or "initial" after restore()
         self.preempted = False
         self._futures: list[tuple[int, Any]] = []  # (step, SaveFuture) of async saves
         self._previous_handlers: dict[int, Any] = {}
@@ -159,16 +216,31 @@ class CheckpointManager:
 
     # ---- save -----------------------------------------------------------------
 
+    def should_save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
+        """Would ``save(step, ..., last=last, force=force)`` save? (The same on every rank.)"""
+        if self.load_only:
+            return False
+        if last or force or self.save_interval is None:
+            return True
+        return step % self.save_interval == 0 or (self.save_first_step and step == 1)
+
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
-             overwrite: bool = False) -> Any:
-        """Save ``state`` as step ``step``. Returns the save's report, or its SaveFuture
-        when the manager saves asynchronously. A step that is already committed (or being
-        written) is an error unless ``overwrite``. ``metrics`` (JSON numbers) are rank 0's,
-        as non-tensor values are; retention's ``keep_best`` ranks steps by them."""
+             overwrite: bool = False, last: bool = False, force: bool = False) -> Any:
+        """Save ``state`` as step ``step``, if the policies say so (:meth:`should_save`;
+        otherwise return None). Returns the save's report, or its SaveFuture when the
+        manager saves asynchronously. A step that is already committed (or being written)
+        is an error unless ``overwrite``. ``metrics`` (JSON numbers) are rank 0's, as
+        non-tensor values are; retention's ``keep_best`` ranks steps by them. ``last``:
+        the run's last step (always saved; model only with ``last_save_model_only``);
+        ``force``: save whatever the interval (e.g. on preemption)."""
         if self._closed:
             raise ManagerClosedError(f"this CheckpointManager of {self.root!r} is closed; make a new one")
         require("torch", "CheckpointManager.save()")
         step = int(step)
+        if not self.should_save(step, last=last, force=force):
+            return None
+        if last and self.last_save_model_only:
+            state = self._model_export(state)
         with self._lock:
             if step in self._writing:
                 raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
@@ -206,11 +278,36 @@ class CheckpointManager:
             return fut
         with self._lock:
             self._writing.discard(step)
-        self._retain()
+        try:
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - the step has committed: retention must not undo that
+            log.warning("zarrckpt: retention after step %d under %s failed (the step is saved): %s",
+                        step, self.root, e)
         from ..distributed import group as zdist
 
         zdist.group(self.process_group).all_true(True)  # every rank sees retention done
         return report
+
+    def _model_export(self, state: dict) -> dict:
+        """``{model_key: state[model_key]}``, floating tensors cast to ``export_dtype``."""
+        import torch
+
+        from ..planning.state import resolve_stateful
+
+        if self.model_key not in state:
+            raise KeyError(f"last_save_model_only: the state has no {self.model_key!r} key "
+                           f"(model_key=...; its keys: {sorted(map(str, state))[:10]})")
+        model = resolve_stateful(state[self.model_key])
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and self.export_dtype is not None:
+                return x.detach().to(self.export_dtype)
+            if isinstance(x, dict):
+                return {k: cast(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+                return type(x)(cast(v) for v in x)
+            return x
+        return {self.model_key: cast(model)}
 
     def _before_save(self) -> None:
         """Rank 0: wait for the async save in flight and its retention (so that at most one
@@ -277,7 +374,7 @@ class CheckpointManager:
             writing = set(self._writing)
         try:
             scan = self._scan()
-        except ZarrckptError as e:  # an unreadable root: deleting on a partial view is unsafe
+        except Exception as e:  # noqa: BLE001 - an unreadable root: deleting on a partial view is unsafe
             log.warning("zarrckpt: retention skipped this time under %s: %s", self.root, e)
             return
         committed = sorted(s for s, (state, _, _) in scan.items() if state == "committed")
@@ -293,7 +390,7 @@ class CheckpointManager:
         if self.storage.can_rename:  # file systems: pending claims and hidden directories, if dead
             try:
                 self._clean_leftovers()
-            except ZarrckptError as e:
+            except Exception as e:  # noqa: BLE001 - the saves are committed; say what is left
                 log.warning("zarrckpt: could not remove leftovers under %s: %s", self.root, e)
 
     def _clean_leftovers(self) -> None:
@@ -324,24 +421,41 @@ class CheckpointManager:
         try:
             _commit.retire(st) if retire else st.remove()
             log.info("zarrckpt: retention deleted %s/%s", self.root, name)
-        except ZarrckptError as e:
+        except Exception as e:  # noqa: BLE001 - never raised from save(): the step it follows committed
             log.warning("zarrckpt: retention could not delete %s/%s: %s", self.root, name, e)
 
     # ---- restore ----------------------------------------------------------------
 
     def restore(self, state: dict, step: int | None = None, **load_options: Any) -> int | None:
         """Load step ``step`` (default: the latest committed one) into ``state`` in place;
-        returns the step, or None when there is no committed checkpoint (``state`` is
-        then untouched)."""
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                return None
-        load_options.setdefault("storage", self.storage.options)
+        returns the step. When the root holds no committed step: with ``initial_load_path``,
+        load that checkpoint (``state[model_key]`` only, with ``initial_load_model_only``)
+        and return 0; else return None (``state`` is then untouched). ``restored_from``
+        says which: ``"step"``, ``"initial"`` or None. ``load_options``: those of
+        :func:`zarrckpt.load` (``cast=True``, ``strict``, ``key_map`` ...)."""
         require("torch", "CheckpointManager.restore()")
         from .load import load
 
+        self.restored_from = None
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                if self.initial_load_path is None:
+                    return None
+                target = state
+                if self.initial_load_model_only:
+                    if self.model_key not in state:
+                        raise KeyError(f"initial_load_model_only: the state has no {self.model_key!r} key")
+                    target = {self.model_key: state[self.model_key]}
+                load(target, self.initial_load_path, process_group=self.process_group, **load_options)
+                if target is not state:
+                    state[self.model_key] = target[self.model_key]
+                self.restored_from = "initial"
+                return 0
+        load_options.setdefault("storage", self.storage.options)
+
         load(state, self.storage.child(fmt.step_name(int(step))), process_group=self.process_group, **load_options)
+        self.restored_from = "step"
         return int(step)
 
     # ---- waiting, closing, preemption -----------------------------------------
