@@ -84,7 +84,7 @@ def _build(rank: int, world: int, folder: str, ckpt: dict, *, backend: str = "za
     optimizers = ocfg.build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5, decay_type="linear",
                                                  min_lr_factor=0.1).build(optimizers=optimizers,
-                                                                          training_steps=steps)
+                                                                          training_steps=12)  # the same schedule in every job
     dataloader = ParallelAwareDataloader(_Data(rank), dp_rank=rank, dp_world_size=world, batch_size=None)
     train_state = _TrainState()
     if backend == "zarrckpt":
@@ -287,6 +287,34 @@ def w_kill_resume(rank, world, folder, async_mode):
     killed = _train(rank, world, run, ck, 12, stop_after=8)  # saved 3, 6; killed after 8
     resumed = _train(rank, world, run, ck, 12, seed=123)  # another init: the load must matter
     return {"whole": whole, "killed": killed, "resumed": resumed}
+
+
+def _sigkill_job(rank, world, port, folder):
+    """A job in processes of its own, killed (SIGKILL, every rank) right after the async
+    save of step 6 was started: that save may or may not have committed."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+    def on_save(ck, step):
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _train(rank, world, folder, _KILL_CK, 12, on_save=on_save)
+
+
+_KILL_CK = {"interval": 3, "keep_latest_k": 2, "async_mode": "async", "last_save_model_only": False}
+
+
+def w_after_sigkill(rank, world, folder):
+    whole = _train(rank, world, os.path.join(folder, "whole"), _KILL_CK, 12)
+    resumed = _train(rank, world, os.path.join(folder, "run"), _KILL_CK, 12, seed=123)
+    return {"whole": whole, "resumed": resumed}
 
 
 def w_exclude(rank, world, folder):
@@ -506,6 +534,33 @@ def test_kill_and_resume_is_bit_exact(world, tmp_path, async_mode):
             whole["ntokens"], whole["last_epoch"], whole["pos"])
 
 
+def test_resume_after_sigkill_during_async_save(world, tmp_path):
+    """Real kills: both ranks SIGKILLed while the async save of step 6 is in flight. The
+    resumed job loads the latest committed step (6 if that save committed before the
+    kill, else 3) and continues bit-exactly as the uninterrupted run."""
+    import multiprocessing as mp
+
+    from _cluster import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_sigkill_job, args=(r, WORLD, port, str(tmp_path / "run")))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [-9, -9]
+    for r in world.run(w_after_sigkill, str(tmp_path)):
+        whole, resumed = r["whole"], r["resumed"]
+        assert resumed["loaded"] and resumed["start"] in (3, 6)
+        print(f"resumed from step {resumed['start']}")
+        assert {s: whole["losses"][s] for s in resumed["losses"]} == resumed["losses"]
+        assert _same(resumed["params"], whole["params"])
+        assert (resumed["ntokens"], resumed["last_epoch"], resumed["pos"]) == (
+            whole["ntokens"], whole["last_epoch"], whole["pos"])
+
+
 def test_exclude_from_loading(world, tmp_path):
     for r in world.run(w_exclude, str(tmp_path)):
         assert r["loaded"] and r["start"] == 0 and r["last_epoch"] == 0 and r["pos"] == 0
@@ -561,7 +616,7 @@ def test_initial_load_from_converted_dcp(world, tmp_path, model_only):
 
 
 def test_timing_against_dcp(world, tmp_path, capsys):
-    reps = 6
+    reps = 10
     out = world.run(w_timing, str(tmp_path), reps, 0)[0]
     with capsys.disabled():
         for backend, t in out.items():
