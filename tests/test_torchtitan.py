@@ -9,10 +9,12 @@ tiny FSDP2 model (two ``nn.Linear`` under ``fully_shard`` on a CPU mesh), torcht
 ``OptimizersContainer`` (AdamW), ``LRSchedulersContainer``, ``ParallelAwareDataloader``
 (its state is per dp rank, pickled bytes) and a train_state Stateful.
 
-torchtitan's own ``Trainer`` is not run here: it needs a tokenizer and dataset assets
-(``tests/assets/tokenizer``, ``c4_test``) that the installed wheel does not ship, and its
-llama3 debug model is built for CUDA devices (see the report of the task that added this
-file); the loop below is the part of ``Trainer.train`` that touches the checkpointer.
+torchtitan's own ``Trainer`` is not run here: ``import torchtitan.trainer`` (and the llama3
+config registry) fails without triton, a GPU package not installed here; the wheel does not
+ship the tokenizer and ``c4_test`` assets its debug configs read (``tests/assets/...`` of the
+torchtitan repository); and ``torchtitan.tools.utils.device_type`` falls back to "cuda"
+without a GPU. Running it on CPU would take patching all three. The loop below is the part
+of ``Trainer.train`` that touches the checkpointer, in its order.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ What differs from the DCP backend
 ---------------------------------
 * A step directory counts only once it is a committed zarrckpt checkpoint
   (``zarrckpt.open`` succeeds). Names must be exactly ``step-N``: zarrckpt writes a
-  save into a hidden ``.step-N.zarrckpt-<id>`` directory next to it and moves it into
-  place at the commit, so a killed save never looks like a checkpoint.
+  save into a hidden dot-directory next to it and moves it into place at the commit,
+  and a killed save leaves at most a ``pending`` claim, so it never looks like a checkpoint.
 * ``keep_latest_k`` counts the committed steps and the save in flight, as DCP counts
   its directories, but deletes only committed steps, never the one being written,
   in a background thread of rank 0; a step is first renamed to a hidden name (atomic)
@@ -67,6 +67,12 @@ What differs from the DCP backend
   for the device->host copies (on CUDA: makes the current stream wait).
   ``async``: the call returns once the state is copied to host memory.
 * A state whose value is ``None`` (no dataloader) is left out (DCP pickles it).
+* The dataloader's state, ``{"dp_rank_<r>": bytes, "world_size": n}`` on each rank, is
+  gathered (one ``all_gather_object`` per save and load) so that every rank holds the
+  same keys: the stored keys are DCP's, and zarrckpt's async saves keep reusing their
+  plans and staging (zarrckpt 1.2's reuse fails when ranks hold different keys; for
+  ranks whose model keys differ, pipeline stages, the staging buffer is released before
+  each async save so that it plans afresh).
 * Not supported (refused in the Config): ``initial_load_in_hf``, ``last_save_in_hf``
   (HF safetensors go through DCP's HF reader/writer; use the DCP backend for them).
 
