@@ -156,3 +156,33 @@ def async_repeated(rank: int, world: int, path: str) -> dict:
             assert torch.equal(got["model"][k], v), (step, k)
         chunk_files.append(sum(os.path.isfile(f) for f in glob.glob(f"{path}/s{step}/model/*/c/**/*", recursive=True)))
     return {"chunk_files": chunk_files}
+
+
+def async_different_keys(rank: int, world: int, path: str) -> dict:
+    """Ranks hold different plain leaves (pipeline stages; torchtitan's per-rank dataloader
+    state): three async saves, the state changed right after each call returns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(8 * world * 4, dtype=torch.float32).reshape(8 * world, 4)
+    state = {"w": DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                     shape=full.shape, stride=full.stride()),
+             f"stage{rank}": {"p": torch.full((64,), float(rank)), "blob": b"r%d" % rank},
+             "shared": torch.zeros(16), "step": 0}
+    futures, expected = [], []
+    for step in range(3):
+        state["step"] = step
+        expected.append({"p": [torch.full((64,), float(r) + step) for r in range(world)],
+                         "shared": torch.full((16,), float(step))})
+        futures.append(zarrckpt.async_save(state, f"{path}/s{step}"))
+        state[f"stage{rank}"]["p"].add_(1)  # training goes on at once
+        state["shared"].add_(1)
+    for step, fut in enumerate(futures):
+        fut.result(timeout=120)
+        got = zarrckpt.load_state_dict(f"{path}/s{step}")
+        for r in range(world):
+            assert torch.equal(got[f"stage{r}"]["p"], expected[step]["p"][r]), (step, r)
+            assert got[f"stage{r}"]["blob"] == b"r%d" % r
+        assert torch.equal(got["shared"], expected[step]["shared"]) and torch.equal(got["w"], full)
+    return {"ok": True}

@@ -201,3 +201,12 @@ def test_the_future_is_a_concurrent_future_with_a_staging_future(tmp_path):
     bad = zarrckpt.async_save({"w": torch.ones(8)}, tmp_path / "c")  # exists: fails in the background
     assert isinstance(bad.exception(timeout=60), zarrckpt.CheckpointExistsError)
     assert bad.staging_completion.done()
+
+
+def test_async_saves_of_ranks_holding_different_keys(tmp_path, clusters):
+    """A later async save reuses the staged plans; where ranks hold different plain leaves,
+    who writes them is decided before async_save returns, and what a rank must write but
+    did not stage is copied then (found by torchtitan's per-rank dataloader state)."""
+    import _grouped
+
+    assert clusters(2).run(_grouped.async_different_keys, str(tmp_path)) == [{"ok": True}] * 2

@@ -187,7 +187,12 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
             error = run.plan(defer_tree=True)
             if error is None:
                 error = run.stage(shared_arena(), overlap=overlap)
-        run.g.agree(error, f"planning and staging the save to {run.url!r}", SaveFailedError)
+        what = f"planning and staging the save to {run.url!r}"
+        ok, (plain_same,), _ = run.g.check(error is None, [run.plain_digest() if error is None else b""])
+        if not ok:
+            run.g.agree(error, what, SaveFailedError)
+        if not plain_same:  # ranks hold different plain leaves: who writes them changes
+            run.g.agree(run.restrict_and_stage(), what, SaveFailedError)
         run.g = side  # from here on, every collective of the save is on the side group
         fut = SaveFuture(run, time.perf_counter() - t0)
         with _state_lock:

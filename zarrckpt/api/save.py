@@ -177,6 +177,7 @@ class SaveRun:
         self.resolved: Any = None  # the resolved state, while the tree is not encoded yet
         self.plan_token: Any = None  # plan_state's token: same plans as an earlier save
         self.leaf_sources: list | None = None  # plans reused with their staging: this save's array leaves
+        self.restricted = False  # plain arrays already restricted to their holders (async)
         self.arrays: list[ArrayPlan] = []
         self.all_docs: dict[str, dict] = {}  # every array's zarr.json (rank 0: of all ranks)
         self.gathered: list | None = None  # rank 0, slow path: every rank's (tree, docs)
@@ -270,7 +271,7 @@ class SaveRun:
         if same and self.options.pack_bytes > 0:
             self.arrays, nodes = assign_packs(self.arrays, self.g, self.options.plan, self.save_id)
             self.tree = fmt.with_packed_nodes(self.tree, nodes)
-        if not same:
+        if not same and not self.restricted:
             # Slow path (e.g. pipeline stages hold different keys): plain arrays are
             # written by the ranks that hold them; rank 0 merges the trees in prepare().
             held = self.g.all_gather(sorted(p.key for p in self.arrays if p.kind in ("tensor", "ndarray",
@@ -423,6 +424,52 @@ class SaveRun:
             return e
         finally:
             self._timed("stage", t0)
+        return None
+
+    def plain_digest(self) -> bytes:
+        """What decides who writes the plain arrays: their keys, shapes and dtypes (async
+        saves compare it across ranks before returning; see :meth:`restrict_and_stage`)."""
+        token = self.plan_token
+        hit = _PLAIN_DIGESTS.get(id(token)) if token is not None else None
+        if hit is not None and hit[0] is token:
+            return hit[1]
+        digest = json.dumps(sorted((p.key, list(p.layout.shape), p.dtype.zarr) for p in self.arrays
+                                   if p.kind in _PLAIN_KINDS)).encode()
+        if token is not None:
+            if len(_PLAIN_DIGESTS) > 64:
+                _PLAIN_DIGESTS.clear()
+            _PLAIN_DIGESTS[id(token)] = (token, digest)
+        return digest
+
+    def restrict_and_stage(self) -> BaseException | None:
+        """Async saves whose ranks hold different plain leaves (pipeline stages, per-rank
+        values): each plain array is written by the ranks that hold it, which may give
+        this rank chunks of arrays it did not stage; those are copied now, before
+        ``async_save`` returns (the caller may change its state at once). Collective."""
+        global _STAGED
+        try:
+            held = self.g.all_gather(sorted(p.key for p in self.arrays if p.kind in _PLAIN_KINDS))
+        except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
+            return e
+        try:
+            order = leaf_order(self.plan_token) if self.leaf_sources is not None else {}
+            for i, p in enumerate(self.arrays):
+                if p.kind not in _PLAIN_KINDS:
+                    continue
+                new = restrict_to_holders(p, [r for r, keys in enumerate(held) if p.key in keys], self.g,
+                                          self.options.plan)
+                if (new.writes or new.sends) and p.key not in self.staged:
+                    src = p.source if p.source is not None else local_data(self.leaf_sources[order[i]])
+                    host = src.detach().to("cpu", copy=True) if isinstance(src, torch.Tensor) else np.array(src)
+                    self.staged[p.key] = dtypes.to_numpy(host) if isinstance(host, torch.Tensor) else host
+                    new = with_source(new, host)
+                elif p.key in self.staged:
+                    new = with_source(new, p.source)
+                self.arrays[i] = new
+            self.restricted = True
+            _STAGED = None  # the staged plans of this save are not those of the next
+        except BaseException as e:  # noqa: BLE001
+            return e
         return None
 
     def _needs_data(self, p: ArrayPlan) -> bool:
@@ -636,6 +683,8 @@ class _Staging:
 
 
 _STAGED: _Staging | None = None
+_PLAIN_DIGESTS: dict[int, tuple[Any, bytes]] = {}
+_PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")
 _COPY_POOL: cf.ThreadPoolExecutor | None = None
 
 
