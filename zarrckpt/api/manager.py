@@ -118,8 +118,18 @@ class CheckpointManager:
                  async_save: bool = False, save_interval: int | None = None, save_first_step: bool = False,
                  last_save_model_only: bool = False, export_dtype: Any = None, model_key: str = "model",
                  initial_load_path: str | os.PathLike | None = None, initial_load_model_only: bool = True,
-                 load_only: bool = False, **save_options: Any) -> None:
+                 load_only: bool = False, local_dir: str | os.PathLike | None = None,
+                 local_replicas: int = 1, persist_every: int | None = None, local_keep_last: int = 2,
+                 **save_options: Any) -> None:
         _check_root(root, "root")
+        if local_dir is not None:
+            _check_root(local_dir, "local_dir")
+        for name, v in (("local_replicas", local_replicas), ("local_keep_last", local_keep_last)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "local_replicas" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'local_replicas' else 1}, not {v!r}")
+        if persist_every is not None and (not isinstance(persist_every, int) or isinstance(persist_every, bool)
+                                          or persist_every < 1):
+            raise ValueError(f"persist_every must be a positive int or None, not {persist_every!r}")
         if initial_load_path is not None:
             _check_root(initial_load_path, "initial_load_path")
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best),
@@ -163,6 +173,12 @@ class CheckpointManager:
         self._background: cf.ThreadPoolExecutor | None = None  # rank 0: retention, cleaning
         self._tasks: list[cf.Future] = []
         self._handoffs: list[threading.Event] = []  # one per async save: retention queued
+        self.last_restore: dict | None = None  # the last restore's report ("source": ...)
+        self._tiers = None
+        if local_dir is not None:
+            from .tiers import Tiers
+
+            self._tiers = Tiers(self, local_dir, local_replicas, persist_every, local_keep_last)
         if self.storage.can_rename and self._rank0():
             self._in_background(self._clean_leftovers)
 
@@ -241,6 +257,12 @@ class CheckpointManager:
             return None
         if last and self.last_save_model_only:
             state = self._model_export(state)
+        if self._tiers is not None:  # every save to the local tier (spec §7.8)
+            fut = self._tiers.save(step, state, {"step": step, "metrics": dict(metrics or {})})
+            self._futures.append((step, fut))
+            if self.async_save:
+                return fut
+            return fut.result()
         with self._lock:
             if step in self._writing:
                 raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
@@ -437,6 +459,15 @@ class CheckpointManager:
         from .load import load
 
         self.restored_from = None
+        self.last_restore = None
+        if self._tiers is not None:
+            found = self._tiers.restore(state, step, **load_options)
+            if found is not None:
+                self.last_restore = self._tiers.last_restore
+                self.restored_from = "step"
+                return found
+            if step is not None:
+                raise CheckpointNotFoundError(f"step {step} is in no tier (local, peers, {self.root!r})")
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -456,6 +487,7 @@ class CheckpointManager:
 
         load(state, self.storage.child(fmt.step_name(int(step))), process_group=self.process_group, **load_options)
         self.restored_from = "step"
+        self.last_restore = {"source": "persistent", "step": int(step), "path": self.step_path(int(step))}
         return int(step)
 
     # ---- waiting, closing, preemption -----------------------------------------
@@ -463,6 +495,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for async saves in flight and for retention and cleaning in the background;
         raises the first save's error."""
+        if self._tiers is not None:
+            self._tiers.wait()
         futures = list(self._futures)
         first = None
         for _, f in futures:
@@ -480,6 +514,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._tiers is not None:
+                self._tiers.close()
             if self._background is not None:
                 self._background.shutdown(wait=True)
             self.uninstall_preemption_handler()
