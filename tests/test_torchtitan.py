@@ -202,7 +202,7 @@ def w_inflight_never_purged(rank, world, folder):
 
     _train(rank, world, folder, {"interval": 1, "keep_latest_k": 0}, 7)  # steps 1..7 committed
     release = threading.Event()
-    real = zarrckpt.async_save
+    real = zt.async_save
 
     def held(*a, **kw):  # the save runs for real; its future ends only when released
         fut = real(*a, **kw)
@@ -221,7 +221,7 @@ def w_inflight_never_purged(rank, world, folder):
                                                                       "async_mode": "async", "load_step": 2})
     ck.load(step=2)
     assert ts.step == 2
-    zt.zarrckpt.async_save = held
+    zt.async_save = held
     try:
         ck.save(3)
         if rank == 0:
@@ -230,7 +230,7 @@ def w_inflight_never_purged(rank, world, folder):
         during = _steps_on_disk(folder)
         assert ck.save_future is not None and not ck.save_future.done()
     finally:
-        zt.zarrckpt.async_save = real
+        zt.async_save = real
     release.set()
     ck.maybe_wait_for_saving()
     ck.save(4)  # the save of 4 is in flight, 3 committed: keep {4, 7}... and 3 was kept until now

@@ -109,7 +109,12 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
-import zarrckpt
+from ..api.async_save import async_save, release_staging, reserve_staging
+from ..api.load import load
+from ..api.save import save
+from ..engine.commit import clean_leftovers
+from ..errors import ZarrckptError
+from ..readers.checkpoint import open_checkpoint
 
 __all__ = ["ZarrckptCheckpointManager", "use_zarrckpt"]
 
@@ -153,14 +158,14 @@ def _ranks_differ(keys: list[str]) -> bool:
 def is_committed(path: str) -> bool:
     """Whether ``path`` holds a committed zarrckpt checkpoint."""
     try:
-        zarrckpt.open(path)
-    except zarrckpt.ZarrckptError:
+        open_checkpoint(path)
+    except ZarrckptError:
         return False
     return True
 
 
 def _metadata(path: str) -> dict:
-    return zarrckpt.open(path).metadata
+    return open_checkpoint(path).metadata
 
 
 class _AllRanksState:
@@ -338,7 +343,7 @@ class ZarrckptCheckpointManager(BaseCheckpointManager):
         states = self._flattened_model_states_sd()
         meta = {"step": int(curr_step), "torchtitan": {"model_only": False}}
         if self.async_mode == "disabled":
-            zarrckpt.save(states, path, overwrite=True, metadata=meta, **self.save_options)
+            save(states, path, overwrite=True, metadata=meta, **self.save_options)
         else:
             pinned = self.async_mode == "async_with_pinned_mem"
             if self._keys_differ is None:
@@ -346,15 +351,15 @@ class ZarrckptCheckpointManager(BaseCheckpointManager):
             if self._keys_differ:
                 # zarrckpt 1.2's async save reusing the previous save's plans fails when ranks
                 # hold different keys; releasing the staging buffer makes it plan afresh
-                zarrckpt.release_staging()
+                release_staging()
                 self._reserved = False
             if pinned and not self._reserved:
-                zarrckpt.reserve_staging(states)
+                reserve_staging(states)
                 self._reserved = True
             with self._lock:
                 self._inflight.add(curr_step)
             try:
-                fut = zarrckpt.async_save(states, path, overwrite=True, metadata=meta, overlap=pinned,
+                fut = async_save(states, path, overwrite=True, metadata=meta, overlap=pinned,
                                           **self.save_options)
             except BaseException:
                 with self._lock:
@@ -386,7 +391,7 @@ class ZarrckptCheckpointManager(BaseCheckpointManager):
             states = self._flattened_model_states_sd()
             meta = {"step": int(curr_step), "torchtitan": {"model_only": False}}
             logger.info("Saving a full checkpoint at last step, step %d.", curr_step)
-        zarrckpt.save(states, self._create_checkpoint_id(curr_step), overwrite=True, metadata=meta,
+        save(states, self._create_checkpoint_id(curr_step), overwrite=True, metadata=meta,
                       **self.save_options)
 
     # ---- purge ------------------------------------------------------------------------
@@ -440,7 +445,7 @@ class ZarrckptCheckpointManager(BaseCheckpointManager):
             if name.startswith(".step-") and _PURGING in name:  # a purge that was killed
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         try:
-            zarrckpt.clean_leftovers(self.folder)  # dead saves' hidden directories and claims
+            clean_leftovers(self.folder)  # dead saves' hidden directories and claims
         except Exception as e:  # noqa: BLE001 - best effort
             _log.warning("zarrckpt: could not remove leftovers under %s: %s", self.folder, e)
 
@@ -481,7 +486,7 @@ class ZarrckptCheckpointManager(BaseCheckpointManager):
         logger.info("Loading the checkpoint from %s.", path)
         begin = time.monotonic()
         states = self._states_to_load(model_only)
-        zarrckpt.load(states, path, cast=model_only)
+        load(states, path, cast=model_only)
         self.states[MODEL].load_state_dict({k: v for k, v in states.items()
                                             if k in self.states[MODEL].cached_state_dict})
         logger.info("Finished loading the checkpoint in %.2f seconds.", time.monotonic() - begin)
