@@ -1,6 +1,6 @@
-"""Checkpoint tiers (spec §7.8) against plain async saves, in one run, on CPU gloo ranks.
+"""Checkpoint tiers (spec §7.8) against plain async saves, in one run, on CPU gloo ranks or GPUs.
 
-    python bench/tiers.py [--world 4] [--mib 256] [--saves 4]
+    python bench/tiers.py [--world 4] [--mib 256] [--saves 4] [--device cpu|cuda] [--out FILE]
 
 Ranks are spawned processes, two simulated nodes (ZARRCKPT_NODE). Prints, per rank 0:
 time blocked per save (plain async_save to a directory vs a tiered manager's save), the
@@ -27,19 +27,28 @@ import torch.multiprocessing as mp
 import zarrckpt
 
 
+DEVICE = "cpu"
+
+
 def state(world: int, mib: int, step: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     rows = mib * (1 << 20) // 4 // 1024
     g = torch.Generator().manual_seed(step)
-    return {"w": distribute_tensor(torch.randn(rows, 1024, generator=g), mesh, [Shard(0)]), "step": step}
+    return {"w": distribute_tensor(torch.randn(rows, 1024, generator=g).to(DEVICE), mesh, [Shard(0)]), "step": step}
 
 
-def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: str) -> None:
+def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: str, device: str = "cpu") -> None:
+    global DEVICE
+    DEVICE = device
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZARRCKPT_NODE=f"node{r * 2 // world}")
-    dist.init_process_group("gloo", rank=r, world_size=world)
+    if device == "cuda":  # NCCL for the job's own collectives, gloo beside it (zarrckpt's side group is gloo)
+        torch.cuda.set_device(r % torch.cuda.device_count())
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=r, world_size=world)
+    else:
+        dist.init_process_group("gloo", rank=r, world_size=world)
     torch.set_num_threads(1)
     res: dict = {"plain_blocked": [], "plain_total": [], "tier_blocked": [], "tier_local_commit": []}
     sd = state(world, mib, 1)
@@ -93,6 +102,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--saves", type=int, default=4)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--out", default=None, help="also write the raw numbers here (JSON)")
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="zarrckpt-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     out = os.path.join(root, "result.json")
@@ -100,14 +111,17 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.start_processes(rank, args=(a.world, port, root, a.mib, a.saves, out), nprocs=a.world,
+        mp.start_processes(rank, args=(a.world, port, root, a.mib, a.saves, out, a.device), nprocs=a.world,
                            start_method="spawn")
         with open(out) as f:
             res = json.load(f)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), **res}, f, indent=1)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    print(f"{a.world} ranks as 2 nodes, {a.mib} MiB state, {a.saves} saves each (rank 0; medians)")
+    print(f"{a.device}: {a.world} ranks as 2 nodes, {a.mib} MiB state, {a.saves} saves each (rank 0; medians)")
     print(f"  blocked per save: plain async_save {med(res['plain_blocked']):.3f} s, tiers {med(res['tier_blocked']):.3f} s")
     print(f"  until committed:  plain async_save {med(res['plain_total']):.3f} s, tiers (local + replicas) "
           f"{med(res['tier_local_commit']):.3f} s")
