@@ -488,15 +488,18 @@ class Tiers:
         t0 = time.perf_counter()
         mgr, nodes = self.mgr, self.nodes
         location = mgr.storage.child(run.name)
-        skip = 0
+        skip, error = 0, None
         if g.rank == 0:
-            state, _ = mgr._root_state(run.name)
-            skip = 1 if state == "committed" else 0
+            try:  # an unreadable root (storage down): every rank fails at begin's C1, none waits
+                state, _ = mgr._root_state(run.name)
+                skip = 1 if state == "committed" else 0
+            except Exception as e:  # noqa: BLE001
+                error = e
         if g.broadcast([skip])[0]:
             return {"skipped": "committed already"}
-        groups = fmt.group_paths(run.all_docs) if g.rank == 0 else []
-        pending = run._root("pending") if g.rank == 0 else None
-        target = engine.begin(g, location, run.save_id, True, pending, groups)
+        groups = fmt.group_paths(run.all_docs) if g.rank == 0 and error is None else []
+        pending = run._root("pending") if g.rank == 0 and error is None else None
+        target = engine.begin(g, location, run.save_id, True, pending, groups, error=error)
         error = None
         copied = 0
         try:
@@ -571,14 +574,18 @@ class Tiers:
         """Every rank: which step to restore and from where (one all-gather)."""
         g, nodes = self.g, self.nodes
         leader = g.rank == nodes.leader
-        scan = self._scan() if leader else None
-        persistent = None
-        if g.rank == 0:
-            steps = self.mgr.steps()
-            if step is not None:
-                persistent = step if step in steps else None
-            else:
-                persistent = steps[-1] if steps else None
+        scan, persistent, error = None, None, None
+        try:
+            scan = self._scan() if leader else None
+            if g.rank == 0:
+                steps = self.mgr.steps()
+                if step is not None:
+                    persistent = step if step in steps else None
+                else:
+                    persistent = steps[-1] if steps else None
+        except Exception as e:  # noqa: BLE001 - e.g. the persistent root unreachable: every rank raises
+            error = e
+        g.agree(error, "listing the tiers' and the persistent root's steps", StorageError)
         views = g.all_gather((scan, persistent))
         persistent = views[0][1]
         # (step, save id) -> node index -> valid nodes; and the save's nodes
