@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import sys
 
 import numpy as np
 import pytest

@@ -50,7 +50,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +59,7 @@ import torch
 from ..distributed import group as zdist
 from ..engine import commit as _commit
 from ..engine import save as engine
-from ..errors import CheckpointNotFoundError, SaveFailedError, StorageError
+from ..errors import SaveFailedError, StorageError
 from ..format import documents as fmt
 from ..storage import open_storage
 from .save import SaveOptions, SaveRun
