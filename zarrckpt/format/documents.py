@@ -1006,8 +1006,10 @@ def _check_fill(v: Any, dt: dtypes.DType, where: str) -> None:
     elif kind in "iu":
         info = np.iinfo(dt.numpy)
         ok = _is_int(v, int(info.min), int(info.max))
-    elif kind == "c":
-        ok = isinstance(v, list) and len(v) == 2 and all(_float_fill(x) for x in v)
+    elif kind == "c":  # each part a fill value of the component type (spec §5.2)
+        part = 2 + dt.numpy.itemsize  # hex digits of a float of half the complex's size, and "0x"
+        ok = isinstance(v, list) and len(v) == 2 and all(
+            _float_fill(x) and not (isinstance(x, str) and x.startswith("0x") and len(x) != part) for x in v)
     else:
         ok = _float_fill(v)
         if ok and isinstance(v, str) and v.startswith("0x"):
