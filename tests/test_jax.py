@@ -330,9 +330,10 @@ def _run_job(scenario: str, where) -> list[dict]:
             for q in procs:
                 q.kill()
             raise
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        # gloo's C++ log lines share stdout and may land on the JSON's line, before or after
+        # it ("[Gloo] Rank 1 is connected to {...}1 peer ranks"): find the JSON, raw_decode it
+        lines = [ln[ln.index('{"process"'):] for ln in stdout.splitlines() if '{"process"' in ln]
         assert p.returncode == 0 and lines, stdout + stderr[-3000:]
-        # raw_decode: gloo's C++ log line may land on the same line, after the JSON
         outs.append(json.JSONDecoder().raw_decode(lines[-1])[0])
     return sorted(outs, key=lambda o: o["process"])
 
