@@ -58,6 +58,7 @@ def main() -> None:
     pr.disable()
     print(f"load of 300 x 8 MiB: {time.perf_counter() - t0:.3f} s; report {rep.get('seconds')}")
     pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
+    shutil.rmtree(a.dir, ignore_errors=True)  # several GB of checkpoints
     dist.destroy_process_group()
 
 
