@@ -273,7 +273,6 @@ class Source:
         return ArrayLeaf(path, shape, row, read, "tensor", containers)
 
     def _value(self, fqn: str, path: tuple, containers: tuple) -> Iterator[ArrayLeaf | ValueLeaf | Skipped]:
-        torch = _torch()
         info = self._info(fqn)
         file = os.path.join(self.dir, info.relative_path)
         try:
@@ -290,8 +289,7 @@ class Source:
             yield in_memory_leaf(path, np.frombuffer(raw, np.uint8), "bytesio", containers)
             return
         try:
-            with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles BytesIO leaves too
-                value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            value = load_value(raw)
         except pickle.UnpicklingError as e:
             yield Skipped(path, f"DCP value {fqn!r} is a pickled object that torch.load(weights_only=True) "
                                 f"refuses ({refusal(e)})")
@@ -518,4 +516,13 @@ class Sink:
 
 
 __all__ = ["DATA_FILE", "METADATA", "MetadataUnpickler", "Sink", "Source", "check_metadata", "dcp_items",
-           "read_metadata"]
+           "load_value", "read_metadata"]
+
+
+def load_value(raw: bytes) -> Any:
+    """A non-tensor item DCP wrote (a ``torch.save`` stream), through torch's restricted
+    unpickler (``weights_only=True``) with ``io.BytesIO`` allowed: DCP pickles BytesIO
+    leaves too. Raises what ``torch.load`` raises for anything else."""
+    torch = _torch()
+    with torch.serialization.safe_globals([io.BytesIO]):
+        return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")

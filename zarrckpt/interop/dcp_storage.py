@@ -129,6 +129,7 @@ from ..engine import save as engine
 from ..errors import SaveFailedError, UnsupportedValueError, ZarrckptError
 from ..format import documents as fmt
 from ..format import dtypes as zdt
+from .dcp import load_value
 from ..format import tree as ztree
 from ..readers.checkpoint import Checkpoint
 from ..storage import Storage, StorageOptions, open_storage
@@ -493,8 +494,7 @@ def _split_value(value: Any, path: tuple, arrays: list) -> Any:
 def _decode_value(buf: Any, fqn: str) -> Any:
     raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
     try:
-        with torch.serialization.safe_globals([io.BytesIO]):
-            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        return load_value(raw)
     except Exception as e:  # noqa: BLE001 - named
         raise UnsupportedValueError(
             f"the value {fqn!r} is a pickled object that torch.load(weights_only=True) refuses "
