@@ -44,7 +44,9 @@ def test_grouped_chunks_are_unions_of_whole_cells_with_one_writer(case):
             assert c % cell == 0 and c <= s
         full = all(c + cell > s for d, (c, cell, s) in enumerate(zip(lay.chunk_shape, lay.cell_shape, lay.shape))
                    if lay.sharding[d])  # no sharded dim fits another whole cell
-        assert math.prod(lay.chunk_shape) >= want or full
+        elems = math.prod(lay.chunk_shape)
+        assert 2 * elems >= want or full  # grown to the target (nearest count of chunks) ...
+        assert lay.chunk_shape == lay.cell_shape or 2 * elems < 5 * want  # ... and not far past it
     writers: dict = {}
     sent: set = set()
     for coord in coords:
@@ -105,6 +107,13 @@ def test_objects_at_1024_ranks_grow_as_arrays_not_arrays_times_ranks():
     assert grouped < 20_000  # ~ arrays + bytes / 64 MiB
     total_bytes = sum(math.prod(s) * 4 for s in shapes)
     assert grouped <= len(shapes) + 2 * total_bytes // (64 << 20)
+    # the default target (256 MiB): chunks + one zarr.json per array (+ a few groups and the
+    # root) within the bound 2 x (arrays + ranks); chunks along the cut dim are the
+    # nearest count to slab / target, ties to fewer: a 939 MB weight is 3 objects, not 4
+    documents = len(shapes) + 1 + 5
+    assert objects(256 << 20) + documents <= 2 * (len(shapes) + ranks)
+    w1 = Layout((ff, d), (ranks,), (Shard(0),), group_min_elems=(256 << 20) // 4)
+    assert w1.grid_shape == (3, 1)
 
 
 @pytest.mark.slow

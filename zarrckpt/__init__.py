@@ -123,7 +123,7 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     * ``replica_split_bytes``: replicated tensors at least this big are written by
       several replicas, each a part (default 64 MiB; None: one writer).
     * ``chunk_target_bytes``: a chunk of a DTensor/ShardedTensor groups whole neighbouring
-      shards until it holds this many bytes (default 256 MiB; None: one chunk per shard); at
+      shards up to about this many bytes (default 256 MiB; None: one chunk per shard); at
       1,024 ranks, small shards make one or a few objects per array instead of 1,024.
     * ``max_staging_bytes``: host memory for copying GPU tensors out (default 1 GiB).
     * ``max_inflight_bytes``: bytes being written at once (default 256 MiB).

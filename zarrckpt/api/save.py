@@ -86,8 +86,8 @@ class SaveOptions:
         packs plain leaves up to that size into hidden byte arrays, one per rank, as format
         1.1 writers did; generic Zarr readers do not see packed leaves (FutureWarning).
     chunk_target_bytes: chunks of DTensors and ShardedTensors group whole neighbouring
-        shards until a chunk holds at least this many bytes (default 256 MiB; None: one
-        chunk per shard). Fewer, larger objects: at 1,024 ranks an array of small shards is
+        shards into chunks of about this many bytes (the nearest count of chunks, 0.75-1.5x;
+        default 256 MiB; None: one chunk per shard). Fewer, larger objects: at 1,024 ranks an array of small shards is
         one or two objects instead of 1,024. The other ranks send their shards of such a
         chunk to its writer first (over NCCL on GPUs, before any device-to-host copy);
         inner chunks stay within one shard, so loads on another layout still read only what

@@ -337,9 +337,11 @@ class Layout:
 
     def _grouped(self, want: int) -> tuple[int, ...]:
         """Chunks of whole neighbouring cells (shards), grown along the sharded dims in
-        order until a chunk holds at least ``want`` elements or the dim holds no more whole
-        cells (spec Appendix C.1): fewer, larger objects for small shards, each still a
-        union of whole shards, so a shard's data is one box of one chunk. Cells of at least
+        order; along the dim where the slab of cells reaches ``want`` elements, into the
+        number of chunks nearest to slab / ``want`` (spec Appendix C.1), so chunks are
+        about 0.75-1.5x the target rather than ``want`` plus a short remainder: fewer,
+        larger objects for small shards, each still a union of whole shards, so a shard's
+        data is one box of one chunk. Cells of at least
         ``want / GROUP_MIN_FRACTION`` elements are objects of a good size already and stay
         one chunk each: grouping them would only move data between ranks."""
         chunk = list(self.cell_shape)
@@ -351,10 +353,14 @@ class Layout:
                 break
             if not self.sharding[d]:
                 continue  # the cell spans the whole dim already
-            k = min(self.shape[d] // cell, -(-want // elems))
+            cells = -(-self.shape[d] // cell)
+            n = max(1, -(-(2 * cells * elems - want) // (2 * want)))  # nearest; ties: fewer
+            k = min(self.shape[d] // cell, -(-cells // n))
             if k > 1:
                 chunk[d] = cell * k
                 elems *= k
+            if n > 1:
+                break  # d is cut: growing another dim would only make chunks larger
         return tuple(chunk)
 
     def chunk_box(self, index: Sequence[int]) -> Box:
