@@ -185,6 +185,75 @@ def test_later_saves_reuse_the_plans_and_follow_every_change(tmp_path, monkeypat
             assert got["model"][k].dtype == v.dtype and torch.equal(got["model"][k], v), (i, k)
 
 
+def test_the_one_pass_walk_of_later_saves_follows_changes_that_keep_the_leaf_count(tmp_path, monkeypatch):
+    """Later async saves resolve Statefuls and compare with the previous save's template in
+    one walk (plan.resolve_reusing); every change below keeps the number of leaves, so only
+    the comparison of structure and leaves can catch it. Values are always this save's, and
+    parameters are staged without autograd (their local views are copied under no_grad)."""
+    from zarrckpt.api import save as _save
+    from zarrckpt.planning import plan as _plan
+
+    class Box:  # a Stateful
+        def __init__(self) -> None:
+            self.sd = {"a": torch.arange(4.0), "b": 1}
+
+        def state_dict(self):
+            return dict(self.sd)
+
+        def load_state_dict(self, sd):
+            self.sd = sd
+
+    calls = []
+    real = _plan.plan_leaf
+    monkeypatch.setattr(_plan, "plan_leaf", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    lin = torch.nn.Linear(4, 3)
+    state = {"model": lin.state_dict(keep_vars=True), "box": Box(), "empty": {}, "pair": (torch.ones(2), [3, 4]),
+             "z": torch.zeros(3), "same": {"p": torch.ones(2), "q": torch.full((2,), 2.0)}}
+    assert lin.weight.requires_grad
+
+    def roundtrip(name: str) -> bool:
+        calls.clear()
+        zarrckpt.async_save(state, tmp_path / name).result(timeout=60)
+        got = zarrckpt.load_state_dict(tmp_path / name)
+        flat, gflat = _flat(state), _flat(got)
+        assert set(gflat) == set(flat), name
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                assert gflat[k].dtype == v.dtype and torch.equal(gflat[k], v.detach()), (name, k)
+            else:
+                assert gflat[k] == v, (name, k)
+        return bool(calls)
+
+    assert roundtrip("first")
+    assert not roundtrip("same")  # reused
+    st = _save._STAGED
+    assert st is not None and not any(getattr(h, "requires_grad", False) for h in st.hosts)
+    assert lin.weight.grad_fn is None and lin.weight.requires_grad
+    changes = [
+        ("key order", lambda s: s.__setitem__("model", dict(reversed(list(s["model"].items()))))),
+        ("same-shaped keys swapped", lambda s: s.__setitem__("same", {"q": s["same"]["q"], "p": s["same"]["p"]})),
+        ("a key renamed", lambda s: s["same"].__setitem__("r", s["same"].pop("q"))),
+        ("stateful leaf", lambda s: s["box"].sd.__setitem__("a", torch.arange(5.0))),
+        ("stateful value type", lambda s: s["box"].sd.__setitem__("b", "one")),
+        ("empty dict filled", lambda s: s.__setitem__("empty", {"x": 1})),
+        ("tuple to list", lambda s: s.__setitem__("pair", [torch.ones(2), [3, 4]])),
+        ("int to tensor", lambda s: s["pair"].__setitem__(1, [3, torch.ones(1)])),
+        ("a tensor renamed", lambda s: s.__setitem__("z", {"z": torch.zeros(3)})),
+        ("a negative view", lambda s: s.__setitem__("z", {"z": torch._neg_view(torch.ones(3))})),
+    ]
+    for name, change in changes:
+        change(state)
+        roundtrip(name)
+        assert not roundtrip(name + "-again") or name == "a negative view"  # the new shape is reused
+
+
+def _flat(sd: dict) -> dict:
+    from zarrckpt.format import tree as ztree
+    from zarrckpt.planning.state import is_array_leaf, resolve_stateful
+
+    return {ztree.key_of(p): v for p, v in ztree.flatten(resolve_stateful(sd), is_array_leaf)}
+
+
 def test_the_future_is_a_concurrent_future_with_a_staging_future(tmp_path):
     """Issue 17 item 3: trainers assert concurrent.futures.Future (torchtitan) and wait for
     staging alone (DCP's AsyncSaveResponse names)."""

@@ -54,8 +54,8 @@ from ..engine import commit as _commit
 from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
-from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, pack_bytes, plan_state,
-                             restrict_to_holders, reusable_plans, with_save_id, with_source)
+from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, local_view, pack_bytes, plan_state,
+                             resolve_reusing, restrict_to_holders, with_save_id, with_source)
 from ..planning.state import is_array_leaf, resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
@@ -214,14 +214,15 @@ class SaveRun:
         try:
             self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
-            self.resolved = resolve_stateful(self.state)
             st = _STAGED
             if defer_tree and st is not None:  # async: plans and staging of the last save, reused?
-                reuse = reusable_plans(self.resolved, self.g, self.options.plan)
+                self.resolved, reuse = resolve_reusing(self.state, self.g, self.options.plan)
                 if reuse is not None and reuse[0] is st.token:
                     self.plan_token, self.leaf_sources = reuse
                     self.tree, self.arrays = None, []  # the arrays come with the staging (stage())
                     return None
+            else:
+                self.resolved = resolve_stateful(self.state)
             self.tree, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
                                                                  defer_tree=defer_tree)
             if self.tree is not None:
@@ -374,7 +375,7 @@ class SaveRun:
             st = _STAGED
             if self.leaf_sources is not None and st is not None and st.arena == arena.identity():
                 leaves = self.leaf_sources  # plan() found this save's plans in st
-                todo, srcs = st.todo, [local_data(leaves[j]) for j in st.leaf_index]
+                todo, srcs = st.todo, [local_view(leaves[j]) for j in st.leaf_index]  # copied under no_grad
                 self.arrays = arrays = list(st.all_plans)
             else:
                 if self.leaf_sources is not None:  # the arena changed meanwhile: plan as usual
@@ -398,7 +399,7 @@ class SaveRun:
             if cuda is not None and arena.pinned:
                 side = _copy_stream(cuda)
                 side.wait_stream(torch.cuda.current_stream(cuda))
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext(), torch.no_grad():
                 if st is None:
                     st = _Staging.first(self, arena, todo, srcs, nbytes, cuda)
                     if self.plan_token is not None:

@@ -23,12 +23,13 @@ import torch
 
 from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
-from .state import checked_dtype, checked_tensor, is_array_leaf
+from .state import checked_dtype, checked_tensor, is_array_leaf, is_stateful, resolve_stateful
 from ..errors import UnsupportedPlacementError, UnsupportedValueError
 from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
 
-__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "leaf_order", "local_data",
-           "pack_bytes", "plan_state", "restrict_to_holders", "reusable_plans", "with_save_id", "with_source"]
+__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "leaf_order", "local_data", "local_view",
+           "pack_bytes", "plan_state", "resolve_reusing", "restrict_to_holders", "reusable_plans", "with_save_id",
+           "with_source"]
 
 PACK_ALIGN = 8
 PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")
@@ -220,10 +221,11 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions, *, defer_tr
     caller encodes it later, e.g. off the critical path; ``resolved`` is its own copy of
     the containers, :func:`resolve_stateful`, and the leaves are unchanged types)."""
     okey = json.dumps(asdict(options), sort_keys=True, default=repr)
-    hit, leaves, sig = _lookup(resolved, g, okey)
+    hit, leaves, sig, sources = _lookup(resolved, g, okey)
     if hit is not None:
-        _, plans, order = hit
-        sources = [leaf for _, leaf in leaves if is_array_leaf(leaf)]
+        plans, order = hit[1], hit[2]
+        if sources is None:
+            sources = [leaf for _, leaf in leaves if is_array_leaf(leaf)]
         out = [_with(plans[i], source=None if plans[i].coord is None else _fast_source(sources[j]))
                for i, j in order]
         return (None if defer_tree else ztree.encode_tree(resolved, is_array_leaf)), out, hit
@@ -234,7 +236,8 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions, *, defer_tr
     plans = [p for _, p in arrays]
     entry = None
     if sig is not None:
-        entry = (sig, tuple(_with(p, source=None) for p in plans), tuple((i, j) for i, (j, _) in enumerate(arrays)))
+        entry = (sig, tuple(_with(p, source=None) for p in plans), tuple((i, j) for i, (j, _) in enumerate(arrays)),
+                 _template(resolved))
         with _CACHE_LOCK:
             if len(_STATES) >= 16:
                 _STATES.clear()
@@ -242,23 +245,93 @@ def plan_state(resolved: dict, g: zdist.Group, options: PlanOptions, *, defer_tr
     return tree, plans, entry
 
 
-def _lookup(resolved: dict, g: zdist.Group, okey: str) -> tuple[Any, list, tuple | None]:
-    """(the cached entry whose signature this state has, or None; the leaves; the signature)."""
-    leaves = list(ztree.flatten(resolved, is_array_leaf))
-    sig = _signature(leaves)
+def _lookup(resolved: dict, g: zdist.Group, okey: str) -> tuple[Any, list | None, tuple | None, list | None]:
+    """(the cached entry whose signature this state has, or None; the leaves; the signature;
+    the array leaves in key-path order when the entry's template matched). The template
+    walk (:func:`_match`) is the fast path: one pass over the state, comparing as it goes,
+    no key paths built; on any difference the signature is computed and compared as before
+    (a mesh equal to the cached one but another object, for instance)."""
     with _CACHE_LOCK:
         hit = _STATES.get((tuple(g.global_ranks()), g.rank, okey))
-    return (hit if sig is not None and hit is not None and hit[0] == sig else None), leaves, sig
+    if hit is not None:
+        arrays: list = []
+        if _match(resolved, hit[3], arrays):
+            return hit, None, hit[0], arrays
+    leaves = list(ztree.flatten(resolved, is_array_leaf))
+    sig = _signature(leaves)
+    return (hit if sig is not None and hit is not None and hit[0] == sig else None), leaves, sig, None
 
 
 def reusable_plans(resolved: dict, g: zdist.Group, options: PlanOptions) -> tuple[Any, list] | None:
     """(token, array leaves in key-path order) when ``plan_state`` would reuse the plans of
     an earlier save (the same token); None otherwise. For callers that keep what they
     derived from those plans (async staging) and need only this save's leaves."""
-    hit, leaves, _ = _lookup(resolved, g, json.dumps(asdict(options), sort_keys=True, default=repr))
+    hit, leaves, _, arrays = _lookup(resolved, g, json.dumps(asdict(options), sort_keys=True, default=repr))
     if hit is None:
         return None
-    return hit, [leaf for _, leaf in leaves if is_array_leaf(leaf)]
+    return hit, arrays if arrays is not None else [leaf for _, leaf in leaves if is_array_leaf(leaf)]
+
+
+def resolve_reusing(state: Any, g: zdist.Group, options: PlanOptions) -> tuple[Any, tuple[Any, list] | None]:
+    """``(resolve_stateful(state), reusable_plans(that, g, options))`` in one walk over the
+    state where the previous save's template matches (the blocked part of later async
+    saves: one pass instead of two over thousands of leaves)."""
+    okey = json.dumps(asdict(options), sort_keys=True, default=repr)
+    with _CACHE_LOCK:
+        hit = _STATES.get((tuple(g.global_ranks()), g.rank, okey))
+    if hit is not None:
+        arrays: list = []
+        ok = [True]
+        resolved = _resolve_match(state, hit[3], arrays, ok, 0)
+        if ok[0]:
+            return resolved, (hit, arrays)
+    else:
+        resolved = resolve_stateful(state)
+    return resolved, reusable_plans(resolved, g, options)
+
+
+def _resolve_match(obj: Any, t: tuple | None, arrays: list, ok: list, depth: int) -> Any:
+    """resolve_stateful's copy of ``obj`` while matching it against template ``t`` (see
+    _match); ``ok[0]`` turns False at the first difference (the copy is still made)."""
+    if not ok[0] or depth > ztree.MAX_DEPTH:
+        ok[0] = False
+        return resolve_stateful(obj, depth)
+    if is_stateful(obj):
+        return _resolve_match(obj.state_dict(), t, arrays, ok, depth)
+    kind = t[0]
+    if type(obj) is dict or (type(obj) is tuple or type(obj) is list) or isinstance(obj, (dict, list)):
+        if kind == 5:  # an empty container leaf
+            ok[0] = type(obj) is t[1] and not obj
+            return resolve_stateful(obj, depth)
+        if isinstance(obj, dict):
+            if kind != 0 or tuple(obj) != t[1]:
+                ok[0] = False
+                return resolve_stateful(obj, depth)
+            copy = {}
+            for (k, v), c in zip(obj.items(), t[2]):
+                copy[k] = v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok) \
+                    else _resolve_match(v, c, arrays, ok, depth + 1)
+            return copy
+        if kind != 1 or len(obj) != t[1]:
+            ok[0] = False
+            return resolve_stateful(obj, depth)
+        out = [v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok)
+               else _resolve_match(v, c, arrays, ok, depth + 1) for v, c in zip(obj, t[2])]
+        return out if isinstance(obj, list) else tuple(out)
+    if not _match(obj, t, arrays):  # leaves, and tuple subclasses (kept as they are)
+        ok[0] = False
+    return obj
+
+
+def _tensor_matches(v: torch.Tensor, c: tuple, arrays: list, ok: list) -> bool:
+    """The plain-tensor leaf of _resolve_match, inlined at its container (``type(v)`` is
+    ``c[1]`` already, so not a Stateful); True: ``v`` is its own resolved copy."""
+    if (v.shape != c[2] or v.dtype != c[3] or v.device != c[4] or v.layout != torch.strided
+            or v.is_neg() or (v.dtype.is_complex and v.is_conj())):
+        ok[0] = False
+    elif ok[0]:
+        arrays.append(v)
+    return True
 
 
 def leaf_order(token: Any) -> dict[int, int]:
@@ -268,6 +341,16 @@ def leaf_order(token: Any) -> dict[int, int]:
 
 def local_data(leaf: Any) -> Any:
     """The local data of an array leaf whose plan is reused (see ``reusable_plans``)."""
+    return _fast_source(leaf)
+
+
+def local_view(leaf: Any) -> Any:
+    """``local_data`` without ``detach`` (a microsecond per leaf), for callers that only
+    copy from it under ``torch.no_grad()``."""
+    if type(leaf) is torch.Tensor:
+        return leaf
+    if isinstance(leaf, torch.Tensor):
+        return leaf._local_tensor if hasattr(leaf, "_local_tensor") else leaf
     return _fast_source(leaf)
 
 
@@ -300,6 +383,77 @@ def _signature(leaves: list[tuple[tuple, Any]]) -> tuple | None:
         else:
             out.append((path, type(leaf)))
     return tuple(out)
+
+
+def _template(obj: Any, root: bool = True) -> tuple:
+    """The structure of a resolved state as :func:`_match` compares it: what ``flatten``
+    walks (dicts, non-empty lists and tuples) and, per leaf, what ``_signature`` records.
+    Only built for states whose signature is not None (every leaf's plan reusable)."""
+    if isinstance(obj, dict) and (obj or root):
+        return (0, tuple(obj), tuple(_template(v, False) for v in obj.values()))
+    if isinstance(obj, (list, tuple)) and obj:
+        return (1, len(obj), tuple(_template(v, False) for v in obj))
+    dtensor = zdist.dtensor_type()
+    if dtensor is not None and isinstance(obj, dtensor):
+        return (2, obj.shape, obj.dtype, obj.device_mesh, tuple(obj.placements))
+    if isinstance(obj, torch.Tensor):
+        return (3, type(obj), obj.shape, obj.dtype, obj.device)
+    if isinstance(obj, np.ndarray):
+        return (4, type(obj), obj.shape, obj.dtype)
+    if isinstance(obj, (dict, list, tuple)):
+        return (5, type(obj))  # an empty container: a leaf of its own
+    if isinstance(obj, io.BytesIO):
+        return (6, type(obj), obj.getbuffer().nbytes)
+    if is_array_leaf(obj):
+        return (6, type(obj), memoryview(obj).nbytes)  # bytes, bytearray, memoryview
+    return (7, type(obj))
+
+
+def _match(obj: Any, t: tuple, arrays: list) -> bool:
+    """Whether ``obj`` has the structure and leaf signatures of template ``t``; appends
+    its array leaves' local data (key-path order) to ``arrays``. A few attribute compares
+    per leaf, no key paths: the blocked part of a later async save of thousands of leaves."""
+    kind = t[0]
+    if kind == 0:
+        if not isinstance(obj, dict) or tuple(obj) != t[1]:
+            return False
+        for v, c in zip(obj.values(), t[2]):
+            if not _match(v, c, arrays):
+                return False
+        return True
+    if kind == 1:
+        if not isinstance(obj, (list, tuple)) or len(obj) != t[1]:
+            return False
+        for v, c in zip(obj, t[2]):
+            if not _match(v, c, arrays):
+                return False
+        return True
+    if kind == 3:
+        if (type(obj) is not t[1] or obj.shape != t[2] or obj.dtype != t[3] or obj.device != t[4]
+                or obj.layout != torch.strided or obj.is_conj() or obj.is_neg()):
+            return False
+        arrays.append(obj)
+        return True
+    if kind == 2:
+        dtensor = zdist.dtensor_type()
+        if (dtensor is None or type(obj) is not dtensor or obj.shape != t[1] or obj.dtype != t[2]
+                or obj.device_mesh is not t[3] or tuple(obj.placements) != t[4]):
+            return False
+        arrays.append(obj._local_tensor)  # what local_data takes of it
+        return True
+    if kind == 4:
+        if type(obj) is not t[1] or obj.shape != t[2] or obj.dtype != t[3]:
+            return False
+        arrays.append(obj)
+        return True
+    if kind == 5:
+        return type(obj) is t[1] and not obj
+    if kind == 6:
+        if type(obj) is not t[1] or (obj.getbuffer() if t[1] is io.BytesIO else memoryview(obj)).nbytes != t[2]:
+            return False
+        arrays.append(obj)
+        return True
+    return type(obj) is t[1]
 
 
 def _fast_source(leaf: Any) -> Any:
