@@ -45,11 +45,13 @@ with :func:`zarrckpt.load` (any world size, any layout).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +61,7 @@ import torch
 from ..distributed import group as zdist
 from ..engine import commit as _commit
 from ..engine import save as engine
-from ..errors import SaveFailedError, StorageError
+from ..errors import DistributedError, SaveFailedError, StorageError
 from ..format import documents as fmt
 from ..storage import open_storage
 from .save import SaveOptions, SaveRun
@@ -198,59 +200,263 @@ def delete_step(root: str, name: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-# ---- moving files between leaders --------------------------------------------------------
+# ---- moving files between nodes ------------------------------------------------------------
+#
+# A *stream* moves a list of file segments from one rank to one or more ranks of other
+# nodes: the concatenated bytes of its segments, cut into messages of ``message_bytes``.
+# Both ends compute the same segments and messages from the plan, so no sizes or names
+# travel. The sender reads each message once (``os.preadv`` straight into a reused slot)
+# and sends it to every destination; while it is in flight the next slot is read. The
+# receiver keeps ``depth`` receives posted and writes each completed slot with
+# ``os.pwrite`` from a memoryview while the others are being received. Every stream runs
+# in a thread of its own, so every rank of a node moves data at once.
+
+MESSAGE_BYTES = 4 << 20  # gloo point to point peaks at 1-8 MiB messages (BENCHMARKS.md, issue 19)
+DEPTH = 3  # slots per stream and side: one being read or written, two in flight
+
+Segment = tuple[str, int, int, int]  # (relative path, offset, length, size of the whole file)
+
+# tests: called as (label, message index) on the sending side after each message is sent
+_transfer_hook: Any = None
 
 
-def _batches(files: list[tuple[str, int]], limit: int) -> list[list[tuple[str, int]]]:
-    out: list[list[tuple[str, int]]] = []
-    acc = limit + 1
+@dataclass(frozen=True)
+class Stream:
+    """``segments`` from group rank ``src`` to each group rank of ``dst`` (every
+    destination gets the same bytes; ``tag`` keeps streams apart)."""
+
+    src: int
+    dst: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    tag: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s[2] for s in self.segments)
+
+
+def split_ranges(files: list[tuple[str, int]], parts: int) -> list[list[Segment]]:
+    """Cut the concatenation of ``files`` into ``parts`` contiguous ranges of (nearly) equal
+    bytes, as segments (a file may be cut between two ranges)."""
+    total = sum(size for _, size in files)
+    bounds = [total * i // parts for i in range(parts + 1)]
+    out: list[list[Segment]] = [[] for _ in range(parts)]
+    pos, part = 0, 0
     for rel, size in files:
-        if acc + size > limit and (not out or out[-1]):
-            out.append([])
-            acc = 0
-        out[-1].append((rel, size))
-        acc += size
+        off = 0
+        while True:
+            while part < parts - 1 and pos >= bounds[part + 1]:
+                part += 1
+            n = min(size - off, bounds[part + 1] - pos) if part < parts - 1 else size - off
+            if n > 0 or (size == 0 and off == 0):
+                out[part].append((rel, off, n, size))
+            off += n
+            pos += n
+            if off >= size:
+                break
     return out
 
 
-def transfer(g: zdist.Group, plan: list[tuple[int, int, str, list[tuple[str, int]]]], src_dir: Any,
-             write: Any, batch_bytes: int) -> int:
-    """Move files point to point: ``plan`` rows (src rank, dst rank, tag, files); the
-    source reads ``src_dir(tag)/rel``, the destination calls ``write(tag, rel, bytes)``.
-    Every rank computes the same rounds from ``plan``; at most ``batch_bytes`` (or one
-    file) per row and round is in memory on each side. Returns bytes received here."""
-    rows = [(s, d, tag, _batches(files, batch_bytes)) for s, d, tag, files in plan]
-    rounds = max((len(b) for *_, b in rows), default=0)
-    received = 0
-    for k in range(rounds):
-        sends, recvs, posts = [], [], []
-        for s, d, tag, batches in rows:
-            if k >= len(batches):
-                continue
-            batch = batches[k]
-            n = sum(size for _, size in batch)
-            if g.rank == s and n:
-                buf = bytearray()
-                for rel, size in batch:
-                    data = _read(src_dir(tag), rel)
-                    if len(data) != size:
-                        raise StorageError(f"{rel} changed size while being copied ({len(data)} != {size})")
-                    buf += data
-                sends.append((g.global_rank(d), torch.frombuffer(buf, dtype=torch.uint8)))
-            if g.rank == d:
-                t = torch.empty(n, dtype=torch.uint8)
-                if n:
-                    recvs.append((g.global_rank(s), t))
-                posts.append((tag, batch, t))
-        g.exchange(sends, recvs)
-        for tag, batch, t in posts:
-            raw = t.numpy().tobytes()
-            off = 0
-            for rel, size in batch:
-                write(tag, rel, raw[off:off + size])
-                off += size
-            received += len(raw)
-    return received
+def node_streams(src_ranks: tuple[int, ...], dst_nodes: list[tuple[int, ...]], files: list[tuple[str, int]],
+                 parts: int) -> list[Stream]:
+    """Streams moving ``files`` (which every rank of the source node can read) to every
+    node of ``dst_nodes``: ``parts`` byte ranges, range ``j`` sent by ``src_ranks[j % S]``
+    to rank ``j % D`` of each destination node (so with ``parts = S`` each sending rank
+    reads its range once, whatever the destination nodes' sizes)."""
+    out = []
+    for j, segs in enumerate(split_ranges(files, parts)):
+        if segs:
+            out.append(Stream(src_ranks[j % len(src_ranks)], tuple(d[j % len(d)] for d in dst_nodes), tuple(segs)))
+    return out
+
+
+def _messages(total: int, size: int) -> list[int]:
+    """Lengths of the messages of a stream of ``total`` bytes (none for an empty stream)."""
+    return [min(size, total - a) for a in range(0, total, size)]
+
+
+class _Slots:
+    """Reused host buffers of ``message_bytes`` (one process-wide pool): a stream takes
+    ``depth`` of them and gives them back. Bounded by the most streams a rank ever ran at
+    once times ``depth``."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, size: int) -> list[torch.Tensor]:
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            got = [free.pop() for _ in range(min(n, len(free)))]
+        return got + [torch.empty(size, dtype=torch.uint8) for _ in range(n - len(got))]
+
+    def give(self, slots: list[torch.Tensor]) -> None:
+        with self._lock:
+            for t in slots:
+                self._free.setdefault(t.numel(), []).append(t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_slots = _Slots()
+
+
+class _Files:
+    """A cursor over a stream's segments that reads (``fill``) or writes (``drain``) the
+    next ``len(view)`` bytes, keeping the current file open."""
+
+    def __init__(self, directory: str, segments: tuple[Segment, ...], write: bool) -> None:
+        self.dir, self.segments, self.write = directory, segments, write
+        self.i, self.done = 0, 0  # segment, bytes of it done
+        self.fd, self.fd_rel = -1, None
+        self.made: set[str] = set()
+
+    def _open(self, rel: str, size: int) -> int:
+        if self.fd_rel != rel:
+            self.close()
+            path = os.path.join(self.dir, rel)
+            if self.write:
+                parent = os.path.dirname(path)
+                if parent not in self.made:
+                    os.makedirs(parent, exist_ok=True)
+                    self.made.add(parent)
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                # the file's final size; never cuts bytes below it, which another
+                # stream may be writing (a file cut between two ranges)
+                os.ftruncate(self.fd, size)
+            else:
+                self.fd = os.open(path, os.O_RDONLY)
+            self.fd_rel = rel
+        return self.fd
+
+    def move(self, view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            rel, off, n, size = self.segments[self.i]
+            k = min(n - self.done, len(view) - pos)
+            fd = self._open(rel, size)
+            at, end = off + self.done, pos + k
+            while pos < end:
+                if self.write:
+                    m = os.pwrite(fd, view[pos:end], at)
+                else:
+                    m = os.preadv(fd, [view[pos:end]], at)
+                    if m == 0:
+                        raise StorageError(f"{self.dir}/{rel} is shorter than the {size} bytes listed")
+                pos, at = pos + m, at + m
+            self.done += k
+            if self.done == n:
+                self.i, self.done = self.i + 1, 0
+
+    def end(self) -> None:
+        """After the last byte: create the empty files listed last (writing side)."""
+        for rel, _, n, size in self.segments[self.i:]:
+            if n - self.done:
+                raise StorageError(f"stream for {self.dir} ended {n - self.done} bytes early in {rel}")
+            if self.write:
+                self._open(rel, size)
+            self.i, self.done = self.i + 1, 0
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.fd_rel = -1, None
+
+
+def _send(g: zdist.Group, s: Stream, directory: str, message_bytes: int, depth: int, label: str) -> None:
+    """Read ``s`` from ``directory`` and send it. A failure to read is raised after the
+    stream was sent in full (the rest as it stood), so that no peer waits for it."""
+    lengths = _messages(s.nbytes, message_bytes)
+    slots = _slots.take(min(depth, len(lengths)), message_bytes)
+    views = [memoryview(t.numpy()) for t in slots]
+    inflight: list[list[Any]] = [[] for _ in slots]
+    files = _Files(directory, s.segments, write=False)
+    error: BaseException | None = None
+    try:
+        for k, n in enumerate(lengths):
+            j = k % len(slots)
+            for w in inflight[j]:
+                w.wait()
+            if error is None:
+                try:
+                    files.move(views[j][:n])
+                except Exception as e:  # noqa: BLE001 - raised once the stream is sent
+                    error = e
+            inflight[j] = [g.isend(slots[j][:n], d, s.tag) for d in s.dst]
+            if _transfer_hook is not None:
+                _transfer_hook(label, k)
+        for ws in inflight:
+            for w in ws:
+                w.wait()
+    finally:
+        files.close()
+    _slots.give(slots)  # not after a failed send: the transport may still read them
+    if error is not None:
+        raise error
+
+
+def _receive(g: zdist.Group, s: Stream, directory: str, message_bytes: int, depth: int) -> int:
+    """Receive ``s`` and write it under ``directory``; ``depth`` receives stay posted while
+    a slot is written. A failure to write is raised after the stream was received."""
+    lengths = _messages(s.nbytes, message_bytes)
+    slots = _slots.take(min(depth, len(lengths)), message_bytes)
+    views = [memoryview(t.numpy()) for t in slots]
+    files = _Files(directory, s.segments, write=True)
+    error: BaseException | None = None
+    posted: dict[int, Any] = {}
+    try:
+        for k in range(min(len(slots), len(lengths))):
+            posted[k] = g.irecv(slots[k][:lengths[k]], s.src, s.tag)
+        for k, n in enumerate(lengths):
+            j = k % len(slots)
+            posted.pop(k).wait()
+            if error is None:
+                try:
+                    files.move(views[j][:n])
+                except Exception as e:  # noqa: BLE001 - raised once the stream is received
+                    error = e
+            if k + len(slots) < len(lengths):
+                posted[k + len(slots)] = g.irecv(slots[j][:lengths[k + len(slots)]], s.src, s.tag)
+        if error is None:
+            try:
+                files.end()
+            except Exception as e:  # noqa: BLE001
+                error = e
+    finally:
+        files.close()
+    _slots.give(slots)  # not after a failed receive: the transport may still write them
+    if error is not None:
+        raise error
+    return s.nbytes
+
+
+def transfer(g: zdist.Group, streams: list[Stream], src_dir: str, dst_dir: str, *,
+             message_bytes: int = MESSAGE_BYTES, depth: int = DEPTH, label: str = "") -> int:
+    """Run this rank's ends of ``streams`` (every rank passes the same list), each in a
+    thread: sending reads from ``src_dir``, receiving writes under ``dst_dir``. Returns the
+    bytes received here. Raises the first error after every stream of this rank ended."""
+    tagged = [dataclasses.replace(s, tag=i) for i, s in enumerate(streams)]
+    jobs: list[tuple[Any, tuple]] = []
+    for s in tagged:
+        if s.src == g.rank:
+            jobs.append((_send, (g, s, src_dir, message_bytes, depth, label)))
+        if g.rank in s.dst:
+            jobs.append((_receive, (g, s, dst_dir, message_bytes, depth)))
+    if not jobs:
+        return 0
+    if len(jobs) == 1:
+        fn, args = jobs[0]
+        return fn(*args) or 0
+    with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="zarrckpt-tier-io") as pool:
+        futures = [pool.submit(fn, *args) for fn, args in jobs]
+        cf.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # a broken connection first: it explains the others
+        raise next((e for e in errors if isinstance(e, DistributedError)), errors[0])
+    return sum(f.result() or 0 for f in futures)
 
 
 # ---- the save of the local tier -------------------------------------------------------------
@@ -322,25 +528,36 @@ class TierRun(SaveRun):
         nodes = self.nodes
         leader = g.rank == nodes.leader
         try:
-            mine = list_files(self.store.local_path) if leader else None
+            mine = self._written_files()
             root = self._root("committed") if g.rank == 0 else None
         except BaseException as e:  # noqa: BLE001
             mine, root, error = None, None, e
-        views = g.all_gather((mine, root, error is None))
-        if not all(ok for _, _, ok in views):
-            g.agree(error or SaveFailedError("another rank failed"), "listing the local tier", SaveFailedError)
+        views = g.all_gather((mine, root, error is None, self.tiers.message_bytes))
+        if not all(ok for _, _, ok, _ in views):
+            g.agree(error or SaveFailedError("another rank failed"), "listing the local tier save's files",
+                    SaveFailedError)
         self.committed_root = views[0][1]
-        files = {nodes.names[i]: views[nodes.leader_of(i)][0] for i in range(len(nodes.names))}
-        plan = []
+        # each node's files: its ranks' in rank order, each rank's as it wrote them
+        files = {nodes.names[i]: list(dict([f for r in nodes.ranks[i] for f in views[r][0]]).items())
+                 for i in range(len(nodes.names))}
+        groups = {f"{p}/zarr.json" for p in fmt.group_paths(self.all_docs)}  # every leader wrote them
+        streams = []
         for i in range(len(nodes.names)):
-            for j in self.tiers.targets(i):
-                plan.append((nodes.leader_of(i), nodes.leader_of(j), nodes.names[i], files[nodes.names[i]]))
+            if self.tiers.targets(i):
+                send = [f for f in files[nodes.names[i]] if f[0] not in groups]
+                streams += node_streams(nodes.ranks[i], [nodes.ranks[j] for j in self.tiers.targets(i)], send,
+                                        len(nodes.ranks[i]))
         store_dir = self.store.local_path
+        t1 = time.perf_counter()
         try:
-            self.replica_bytes = transfer(
-                g, plan, lambda _tag: store_dir,
-                lambda _tag, rel, data: None if os.path.exists(os.path.join(store_dir, rel))
-                else _write(store_dir, rel, data), self.tiers.batch_bytes)
+            self.replica_bytes = transfer(g, streams, store_dir, store_dir, message_bytes=views[0][3],
+                                          depth=self.tiers.depth, label=f"save {self.step}")
+        except BaseException as e:  # noqa: BLE001 - every rank learns it at the next agreement
+            error = e
+        self._timed("replicate", t1)
+        t0 += time.perf_counter() - t1  # "commit" is the rest
+        g.agree(error, f"replicating the local tier copies of step {self.step}", SaveFailedError)
+        try:
             if leader:
                 held = sorted({nodes.names[nodes.me]} | {nodes.names[i] for i in range(len(nodes.names))
                                                           if nodes.me in self.tiers.targets(i)})
@@ -361,6 +578,19 @@ class TierRun(SaveRun):
                 self.lock.release()
         g.agree(error, f"committing the local tier copies of step {self.step}", SaveFailedError)  # C3
         self._timed("commit", t0)
+
+    def _written_files(self) -> list[tuple[str, int]]:
+        """(key, size) of every file this rank wrote into its node's directory: the
+        intermediate groups (leader), the array documents and chunks of its plans (C.4)."""
+        rels: list[str] = []
+        if self.g.rank == self.nodes.leader:
+            rels += [f"{p}/zarr.json" for p in fmt.group_paths(self.all_docs)]
+        for p in self.arrays:
+            if p.coord is not None and p.layout.metadata_writer() == p.coord:
+                rels.append(f"{p.key}/zarr.json")
+            rels += [f"{p.key}/{fmt.chunk_key(w.index)}" for w in p.writes]
+        d = self.store.local_path
+        return [(rel, os.path.getsize(os.path.join(d, rel))) for rel in dict.fromkeys(rels)]
 
     def abandon(self) -> None:
         if self.g.rank == self.nodes.leader:
@@ -391,7 +621,9 @@ class Tiers:
         self.local_replicas = local_replicas
         self.persist_every = persist_every
         self.local_keep_last = local_keep_last
-        self.batch_bytes = batch_bytes
+        self.batch_bytes = batch_bytes  # promotion: bytes of writes in flight
+        self.message_bytes = MESSAGE_BYTES  # replicas and fetches: rank 0's value is used
+        self.depth = DEPTH
         self._nodes: Nodes | None = None
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-tiers")
         self._tasks: list[cf.Future] = []
@@ -436,7 +668,12 @@ class Tiers:
                 error = run.plan(defer_tree=True)
                 if error is None:
                     error = run.stage(shared_arena())
-            run.g.agree(error, f"planning and staging the local tier save of step {step}", SaveFailedError)
+            what = f"planning and staging the local tier save of step {step}"
+            ok, (plain_same,), _ = run.g.check(error is None, [run.plain_digest() if error is None else b""])
+            if not ok:
+                run.g.agree(error, what, SaveFailedError)
+            if not plain_same:  # ranks hold different plain leaves: who writes them changes (async_save)
+                run.g.agree(run.restrict_and_stage(), what, SaveFailedError)
             run.g = side
             fut = am.SaveFuture(run, time.perf_counter() - t0)
             with am._state_lock:
@@ -633,39 +870,59 @@ class Tiers:
             return persistent
         s, sid, per, need = chosen
         name = fmt.step_name(s)
-        # what each node lacks, and from whom (the next node in the ring that holds it)
+        # what each node lacks, and from whom (the next node in the ring that holds it);
+        # a key the node holds already (an intermediate group) is not fetched
         k = len(nodes.names)
         files = self._files_of(s, sid, per)
-        plan = []
+        wanted: dict[tuple[int, int], dict[str, int]] = {}
         for d in range(k):
             have = per.get(d, set())
+            held = {rel for m in have for rel, _ in files[m]}
             for m in need:
                 if m in have:
                     continue
-                src = next(((d + j) % k for j in range(1, k) if m in per.get((d + j) % k, set())), None)
-                plan.append((nodes.leader_of(src), nodes.leader_of(d), m, files[m]))
-        leader = g.rank == nodes.leader
+                src = next((d + j) % k for j in range(1, k) if m in per.get((d + j) % k, set()))
+                bucket = wanted.setdefault((src, d), {})
+                bucket.update((rel, size) for rel, size in files[m] if rel not in held)
+        streams = []
+        for (src, d), bucket in sorted(wanted.items()):
+            streams += node_streams(nodes.ranks[src], [nodes.ranks[d]], sorted(bucket.items()),
+                                    max(len(nodes.ranks[src]), len(nodes.ranks[d])))
         copy_dir = os.path.join(self.node_root, name)
         error = None
         fetched = 0
+        from ..errors import LoadFailedError
+
+        t1 = time.perf_counter()
+        if streams:
+            side = g.side_group()  # gloo, whatever the caller's group is
+            try:  # a copy stops claiming the nodes it will fetch before any byte is written
+                if g.rank == nodes.leader:
+                    self._unclaim(s, sid, [m for m in need if m not in per.get(nodes.me, set())], copy_dir)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            g.agree(error, f"preparing the local tier copy of step {s} for a fetch", LoadFailedError)
+            try:
+                fetched = transfer(side, streams, copy_dir, copy_dir, message_bytes=side.all_gather(
+                    self.message_bytes)[0], depth=self.depth, label=f"restore {s}")
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            g.agree(error, f"fetching the local tier copies of step {s} from the peers", LoadFailedError)
+        fetch_seconds = time.perf_counter() - t1
         try:
-            if leader and any(r[1] == g.rank for r in plan):
-                os.makedirs(copy_dir, exist_ok=True)
-            fetched = transfer(g, plan, lambda _tag: copy_dir,
-                               lambda _tag, rel, data: _write(copy_dir, rel, data), self.batch_bytes)
-            if leader:
+            if g.rank == nodes.leader:
                 self._complete_copy(s, sid, need, files, per.get(nodes.me, set()), copy_dir)
         except BaseException as e:  # noqa: BLE001
             error = e
-        from ..errors import LoadFailedError
-
-        g.agree(error, f"gathering the local tier copies of step {s}", LoadFailedError)
+        g.agree(error, f"completing the local tier copies of step {s}", LoadFailedError)
+        plan = streams
         source = "local" if not plan else "peers"
         load(state, copy_dir, process_group=self.mgr.process_group, report=report, **load_options)
         total = sum(f for f in g.all_gather(fetched))
         self.last_restore = {"source": source, "step": s, "path": copy_dir, "fetched_bytes": fetched,
                              "fetched_bytes_all_nodes": total, "persistent_bytes_read": 0,
-                             "seconds": time.perf_counter() - t0, "load": report}
+                             "fetch_seconds": fetch_seconds, "seconds": time.perf_counter() - t0,
+                             "load": report}
         return s
 
     def _save_nodes(self, s: int, sid: str, per: dict) -> list[str] | None:
@@ -694,6 +951,25 @@ class Tiers:
         m = g.all_gather(m)[nodes.leader_of(holder)]
         cache[key] = m
         return m
+
+    def _unclaim(self, s: int, sid: str, fetching: list[str], copy_dir: str) -> None:
+        """Leader, before its node fetches ``fetching`` into its copy of step ``s`` of save
+        ``sid``: a copy of another save of that step is deleted; a manifest of this save that lists any of them as held (their keys are damaged: a key
+        missing or of another size) is rewritten without them, and the copy's root removed,
+        so that a fetch cut short (files written in place, at their final sizes) leaves a
+        copy that does not claim them."""
+        m = read_manifest(self.node_root, fmt.step_name(s))
+        if m is not None and m.get("save_id") != sid:  # a copy of another save of this step:
+            delete_step(self.node_root, fmt.step_name(s))  # replaced by the one fetched
+            return
+        if m is None or not set(fetching) & set(m.get("held", [])):
+            return
+        try:
+            os.unlink(os.path.join(copy_dir, "zarr.json"))
+        except FileNotFoundError:
+            pass
+        _write_manifest(self.node_root, fmt.step_name(s), dict(
+            m, held=sorted(set(m["held"]) - set(fetching)), complete=False))
 
     def _complete_copy(self, s: int, sid: str, need: list[str], files: dict, had: set[str], copy_dir: str) -> None:
         """Leader: the node's copy now holds every node's files: sync, write the committed

@@ -146,6 +146,17 @@ class Group:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
+    @_collective("isend")
+    def isend(self, t: torch.Tensor, peer: int, tag: int = 0) -> Any:
+        """Start sending ``t`` to group rank ``peer`` (point to point, matched with the
+        peer's :meth:`irecv` of the same tag in order); ``.wait()`` on the result."""
+        return _Pending(self, "isend", dist.isend(t, group=self.pg, group_dst=peer, tag=tag))
+
+    @_collective("irecv")
+    def irecv(self, t: torch.Tensor, peer: int, tag: int = 0) -> Any:
+        """Start receiving into ``t`` from group rank ``peer``; ``.wait()`` on the result."""
+        return _Pending(self, "irecv", dist.irecv(t, group=self.pg, group_src=peer, tag=tag))
+
     def broadcast(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` (ints in 0 .. 2**62-1) on every rank (one all-reduce)."""
         return self.check(True, [], values)[2]
@@ -242,22 +253,41 @@ class Group:
             except Exception:  # noqa: BLE001 - a store without deletes only keeps a few bytes
                 return
 
-    def side_group(self) -> Group:
+    def side_group(self, backend: str = "gloo") -> Group:
         """A group over the same ranks for background work that must not share the
         caller's group (its collectives would interleave with the training loop's).
-        Created once per set of ranks, by those ranks only, with the caller's timeout."""
+        Created once per set of ranks and backend, by those ranks only, with the caller's
+        timeout."""
         if not self.active:
             return self
         ranks = self.global_ranks()
+        key = ranks if backend == "gloo" else (*ranks, backend)
         with _side_lock:
-            side = _side_groups.get(ranks)
+            side = _side_groups.get(key)
             if side is None:
                 kwargs: dict[str, Any] = {"use_local_synchronization": True}
                 if self.timeout() is not None:
                     kwargs["timeout"] = self.timeout()
-                pg = dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)
-                side = _side_groups[ranks] = Group(pg, self.rank, self.size)
+                pg = dist.new_group(ranks=list(ranks), backend=backend, **kwargs)
+                side = _side_groups[key] = Group(pg, self.rank, self.size)
             return side
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A point-to-point operation in flight; :meth:`wait` raises DistributedError."""
+
+    group: Group
+    op: str
+    work: Any
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(
+                f"{self.op} over {self.group.size} ranks failed on rank {self.group.rank}: {e} "
+                "(a peer process died or the group timed out)") from e
 
 
 def _describe(error: BaseException) -> str:
@@ -267,7 +297,7 @@ def _describe(error: BaseException) -> str:
     return str(error)
 
 
-_side_groups: dict[tuple[int, ...], Group] = {}
+_side_groups: dict[tuple, Group] = {}
 _side_lock = threading.Lock()
 _entries: dict[tuple[int, ...], int] = {}  # zarrckpt calls entered, per set of ranks
 
