@@ -116,7 +116,8 @@ def test_ranks_that_share_no_disk(s3, clusters, tmp_path):
     assert sum(o[0] for o in out) == 64 * 24 * 4 + 8 * 4  # every byte once
     for _, ok, local, steps, restored, fetched, needed in out:
         assert ok and local == [] and steps == [2, 3] and restored == 3
-        assert fetched <= 1.1 * needed
+    # shared reads (the default on S3): owners fetch chunks for the others, so compare the job
+    assert sum(o[5] for o in out) <= 1.1 * sum(o[6] for o in out)
     check_w = zarrckpt.load_state_dict(url, storage=opts(s3))
     assert torch.equal(check_w["w"], torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24))
     assert zarrckpt.load_state_dict(url + "-async", storage=opts(s3))["step"] == 6

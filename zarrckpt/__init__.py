@@ -170,7 +170,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,
          key_map: Any = None, cast: bool = False, report: dict | None = None,
          max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
-         storage: StorageOptions | None = None) -> dict:
+         storage: StorageOptions | None = None, shared_reads: bool | None = None) -> dict:
     """Load the checkpoint at ``path`` into ``state_dict`` in place and return ``state_dict``.
 
     Tensors, DTensors and ShardedTensors are filled in place, whatever mesh, placements
@@ -200,13 +200,17 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     ``max_staging_bytes``: host memory for loading into GPU targets and for casts.
     ``max_inflight_bytes``: bytes being read at once.
     ``storage``: a :class:`StorageOptions` (object-store endpoint, credentials, retries ...).
+    ``shared_reads``: pieces of at most 4 MiB are read through one owner rank per chunk
+    object, which fetches the object once (one GET) and sends each rank its part over the
+    process group, instead of every rank reading its part with its own requests (default
+    None: on object stores, with more than one rank; True/False: always/never).
     """
     from .api.load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
                  max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
-                 storage=storage)
+                 storage=storage, shared_reads=shared_reads)
 
 
 def wait_for_saves(timeout: float | None = None) -> list:

@@ -56,6 +56,7 @@ from ..format.layout import Layout, Replicate, slices as _slices, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
 from ..storage import StorageOptions
+from . import shared_reads
 
 log = logging.getLogger("zarrckpt")
 
@@ -83,7 +84,7 @@ class LoadRun:
 
     def __init__(self, state_dict: dict, path: Any, g: zdist.Group, *, strict: Any, key_map: KeyMap,
                  cast: bool, max_staging_bytes: int, max_inflight_bytes: int,
-                 storage: StorageOptions | None = None) -> None:
+                 storage: StorageOptions | None = None, shared_reads: bool | None = None) -> None:
         if not isinstance(state_dict, dict):
             raise StateDictMismatchError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         self.state_dict = state_dict
@@ -95,6 +96,8 @@ class LoadRun:
         self.max_staging_bytes = max_staging_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.storage = storage
+        self.shared_reads = shared_reads
+        self.shared: dict | None = None  # shared_reads.run's counters, when they ran
         self.ckpt: Checkpoint | None = None
         self.resolved: Any = None
         self.stateful: dict[tuple, Any] = {}  # key path -> the caller's Stateful there
@@ -223,6 +226,16 @@ class LoadRun:
                         staged += local.numel() * max(local.element_size(), self.infos[ck].dtype.numpy.itemsize)
         fill_arrays = [k for _, ck in self.fills for k in _keys_under(ckpt, ck) if ckpt.is_array(k)]
         infos = {**self.infos, **ckpt.array_infos(fill_arrays)}
+        if self._share():  # collective: every rank, before any read of its own can fail
+            rest: list = []
+
+            def pieces() -> list:
+                left, mine = shared_reads.split(ckpt, self.infos, todo)
+                rest.append(left)
+                return mine
+            g = self.g if self.g._device().type == "cpu" else self.g.side_group()
+            self.shared = shared_reads.run(g, ckpt, pieces)
+            todo = rest[0]
         self.reads = reads = _Reads(ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
         with reads:
             for ck, boxes, local in todo:
@@ -237,6 +250,14 @@ class LoadRun:
             if not isinstance(leaf, torch.Tensor):
                 self.resolved = ztree.set_at(self.resolved, kp, _load_value(ckpt, ck))
 
+    def _share(self) -> bool:
+        """Read small pieces through chunk owners (shared_reads)? The same answer on every
+        rank: one all-reduce (a rank given another kind of path must not desynchronize)."""
+        if not self.g.active or self.g.size < 2 or self.shared_reads is False:
+            return False
+        want = self.shared_reads is True or bool(self.ckpt.storage.is_object_store)
+        return self.g.all_true(want)
+
     def apply(self) -> None:
         """Set the values read into the caller's containers; Stateful leaves in key order,
         the same on every rank."""
@@ -249,9 +270,11 @@ class LoadRun:
 
     def report(self) -> dict:
         reads = self.reads
+        shared = self.shared or {}
         return {"path": self.ckpt.url if self.ckpt else str(self.path), "rank": self.g.rank,
-                "bytes_needed": reads.bytes_needed if reads else 0,
-                "bytes_fetched": reads.bytes_fetched if reads else 0,
+                "bytes_needed": (reads.bytes_needed if reads else 0) + shared.get("bytes_needed", 0),
+                "bytes_fetched": (reads.bytes_fetched if reads else 0) + shared.get("bytes_fetched", 0),
+                "shared_reads": self.shared,
                 "missing": self.missing, "unexpected": self.unexpected,
                 "seconds": {**self.timings, "total": sum(self.timings.values())}}
 
@@ -293,6 +316,7 @@ def load(
     max_staging_bytes: int = 1 << 30,
     max_inflight_bytes: int = 256 << 20,
     storage: StorageOptions | None = None,
+    shared_reads: bool | None = None,
 ) -> dict:
     if strict not in STRICT_MODES:
         raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
@@ -303,7 +327,7 @@ def load(
     try:
         run = LoadRun(state_dict, path, g, strict=strict, key_map=key_map, cast=cast,
                       max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
-                      storage=storage)
+                      storage=storage, shared_reads=shared_reads)
         run.open()
         run.match()
         run.validate()
