@@ -76,6 +76,31 @@ def run(kind: str, ranks: int, target: int | None, sample: int) -> dict:
         t_plan.append(time.perf_counter() - t0)
         writes.append(w)
         sends.append(s)
+    # GETs of a same-layout load on an object store, per sampled rank: reading its own part,
+    # a rank makes an index GET and an inner-chunk GET per chunk it meets (sharded chunks);
+    # with shared reads (zarrckpt.api.shared_reads) its pieces of at most PIECE_BYTES go
+    # through the chunks' owners, one GET per chunk object for the whole job
+    from zarrckpt.api.shared_reads import PIECE_BYTES
+    own_gets, shared_chunks, big_gets = [], set(), []
+    for _ in range(sample):
+        coord = None
+        own = big = 0
+        for key, shape, mesh, pl in layouts:
+            coord = coord if coord is not None and len(coord) == len(mesh) else tuple(rng.randrange(m) for m in mesh)
+            lay = L.Layout(shape, mesh, pl, key=key, group_min_elems=group)
+            chunk = lay.chunk_shape
+            for gbox, _ in lay.local_boxes(coord):
+                first = [a // c for (a, _), c in zip(gbox, chunk)]
+                last = [(b - 1) // c for (_, b), c in zip(gbox, chunk)]
+                n = math.prod(l - f + 1 for f, l in zip(first, last))
+                per = math.prod(b - a for a, b in gbox) * ITEM / n  # bytes per chunk piece (even)
+                own += 2 * n
+                if per <= PIECE_BYTES:
+                    shared_chunks.update((key, i) for i in range(n))  # counted job-wide below
+                else:
+                    big += 2 * n
+        own_gets.append(own)
+        big_gets.append(big)
     groups = {"/".join(k.split("/")[:i]) for k, _ in arrays for i in range(1, k.count("/") + 1)}
     documents = len(arrays) + len(groups) + 1
     dec = statistics.quantiles(sizes, n=10)
@@ -87,6 +112,11 @@ def run(kind: str, ranks: int, target: int | None, sample: int) -> dict:
         "objects_one_rank_writes": statistics.median(writes),
         "bytes_one_rank_sends": statistics.median(sends),
         "metadata_reads_per_rank_at_load": {"1.1": len(arrays) + 1, "1.2": 1},
+        # job-wide GETs of a same-layout load on S3 (sampled ranks x ranks; shared: one GET per
+        # chunk object of small pieces, i.e. at most the chunk objects, plus what ranks still
+        # read themselves, plus the root per rank)
+        "load_gets_job_own_reads": int(statistics.median(own_gets)) * ranks + ranks,
+        "load_gets_job_shared_reads_at_most": objects + int(statistics.median(big_gets)) * ranks + ranks,
         "plan_s_one_rank_median": round(statistics.median(t_plan), 2),
         "state_gb": round(sum(math.prod(s) for _, s in arrays) * ITEM / 1e9, 1),
     }
@@ -109,15 +139,17 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
     print("| mesh | ranks | chunk_target | chunk objects | all objects (+ zarr.json) | ≤ 2 × (arrays + ranks) "
-          "| chunk MiB p10 / p50 / p90 | objects one rank writes | MB one rank sends first | plan s / rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| chunk MiB p10 / p50 / p90 | objects one rank writes | MB one rank sends first | plan s / rank "
+          "| load GETs (job): own reads / shared reads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ok = "yes" if r["objects_total"] <= r["bound_2x_arrays_plus_ranks"] else "no"
         t = "off" if r["target_mib"] is None else f"{r['target_mib']} MiB"
         p = " / ".join(map(str, r["chunk_mib_p10_p50_p90"]))
         print(f"| {r['mesh']} | {r['ranks']:,} | {t} | {r['chunk_objects']:,} | {r['objects_total']:,} | {ok} "
               f"({r['bound_2x_arrays_plus_ranks']:,}) | {p} | {r['objects_one_rank_writes']:,} "
-              f"| {r['bytes_one_rank_sends'] / 1e6:.0f} | {r['plan_s_one_rank_median']} |")
+              f"| {r['bytes_one_rank_sends'] / 1e6:.0f} | {r['plan_s_one_rank_median']} "
+              f"| {r['load_gets_job_own_reads']:,} / ≤ {r['load_gets_job_shared_reads_at_most']:,} |")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)
