@@ -33,6 +33,7 @@ def state(world: int, placement: str, zeros: bool, *, bf16_as=torch.bfloat16) ->
     model["half"] = distribute_tensor(torch.zeros(half.shape, dtype=bf16_as) if zeros else half, mesh, pl)
     model["norm"] = torch.zeros(64) if zeros else torch.arange(64.0)  # replicated plain leaf
     model["ids"] = torch.zeros(10, dtype=torch.int64) if zeros else torch.arange(10) * 7
+    model["scale"] = torch.tensor(0.0) if zeros else torch.tensor(2.5)  # 0-d, as AdamW's step
     return {"model": model, "step": 0 if zeros else 3}
 
 
@@ -77,6 +78,7 @@ def load(rank: int, world: int, path: str, placement: str, shared: bool | None,
     got = m["half"].full_tensor()
     assert (torch.equal(got, want.float()) if cast else np.array_equal(bits(got), bits(want)))
     assert torch.equal(m["norm"], torch.arange(64.0)) and torch.equal(m["ids"], torch.arange(10) * 7)
+    assert m["scale"].item() == 2.5
     assert target["step"] == 3
     return {"shared": report["shared_reads"], "gets": gets, "needed": report["bytes_needed"],
             "fetched": report["bytes_fetched"], "http": http() - before,
