@@ -1,0 +1,112 @@
+"""Where a same-layout load of many mid-size arrays spends its time (issue 16: GPU `moe`).
+
+    torchrun --nproc-per-node 2 bench/load_knobs.py [--shape moe] [--state-gb 3] [--dir /dev/shm/zk]
+
+Builds the FSDP2 + AdamW state of ``bench/models.py`` on every rank's GPU (CPU with gloo
+when there is none), saves it once with zarrckpt and once with DCP (FileSystemWriter, 16
+threads), then alternates loads: DCP (FileSystemReader, default) and zarrckpt with its
+defaults and with one knob changed at a time (bytes in flight, staging, file threads).
+Prints the slowest rank's seconds per variant (median of ``--reps``) and zarrckpt's own
+per-phase seconds, as JSON lines. A probe, not a benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zarrckpt  # noqa: E402
+from models import build_state  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="moe")
+    ap.add_argument("--state-gb", type=float, default=3.0)
+    ap.add_argument("--dir", default="/dev/shm/zk")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="cProfile rank 0's default zarrckpt loads")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    cfg = types.SimpleNamespace(state_gb=a.state_gb, hidden=0, vocab=131072, experts=32, expert_hidden=0)
+    sd, p = build_state(a.shape, cfg, device, mesh)
+    zpath, dpath = os.path.join(a.dir, "z"), os.path.join(a.dir, "d")
+    if rank == 0:
+        shutil.rmtree(a.dir, ignore_errors=True)
+    dist.barrier()
+    zarrckpt.save(sd, zpath)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(dpath, thread_count=16))
+    variants = {
+        "zarrckpt": {},
+        "inflight 1 GiB": {"max_inflight_bytes": 1 << 30},
+        "staging 4 GiB": {"max_staging_bytes": 4 << 30},
+        "inflight 1 GiB + staging 4 GiB": {"max_inflight_bytes": 1 << 30, "max_staging_bytes": 4 << 30},
+        "64 file threads": {"storage": zarrckpt.StorageOptions(file_io_concurrency=64)},
+    }
+    times: dict[str, list[float]] = {k: [] for k in ["dcp", *variants]}
+    phases: dict[str, list] = {k: [] for k in variants}
+    for rep in range(a.reps):
+        for name in ["dcp", *variants]:
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            report: dict = {}
+            if name == "dcp":
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(dpath))
+            elif a.profile and rank == 0 and name == "zarrckpt":
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
+                zarrckpt.load(sd, zpath, report=report, **variants[name])
+                prof.disable()
+            else:
+                zarrckpt.load(sd, zpath, report=report, **variants[name])
+            if cuda:
+                torch.cuda.synchronize()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[name].append(float(dt))
+            if report:
+                phases[name].append({k: round(v, 3) for k, v in report["seconds"].items()})
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world, "plan": p,
+               "seconds": {k: round(v, 3) for k, v in med.items()},
+               "vs_dcp": {k: round(med["dcp"] / v, 2) for k, v in med.items()},
+               "phases_rank0_last": {k: v[-1] for k, v in phases.items() if v}}
+        print(json.dumps(out), flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"load_knobs_{a.shape}.json"), "w") as f:
+                json.dump({**out, "all": times}, f, indent=1)
+    if a.profile and rank == 0:
+        import pstats
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(a.dir, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
