@@ -67,7 +67,10 @@ def run(rank: int, world: int, port: int, root: str, kill_at: int | None) -> Non
         if start:
             set_state_dict(model, optim, model_state_dict=st["model"], optim_state_dict=st["optim"])
         if rank == 0:
-            src = mgr.last_restore["source"] if mgr.last_restore else None
+            rep = mgr.last_restore or {}
+            src = rep.get("source")
+            if src == "peers":  # every rank of the replaced node fetched its share at once
+                src += f", {rep['fetched_bytes_all_nodes']} bytes fetched in {rep['fetch_seconds']:.2f} s"
             print(f"[world {world}] " + (f"resumed from step {start} (source: {src})" if start else "starting fresh"),
                   flush=True)
         for step in range(start + 1, END + 1):

@@ -46,7 +46,7 @@ def _mgr(local, persistent, **kw):
 
 def _knobs(rank: int, world: int, extra: dict) -> tuple[dict, dict]:
     """Test-only keys of ``extra`` (``_nodes``: node name per rank, ``_message_bytes``,
-    ``_per_rank``: each rank also holds a key of its own, ``_step``: restore(step=)) apart
+    ``_lanes``, ``_per_rank``: each rank also holds a key of its own, ``_step``: restore(step=)) apart
     from the manager's options; sets this rank's node."""
     extra = dict(extra)
     knobs = {k: extra.pop(k) for k in list(extra) if k.startswith("_")}
@@ -58,6 +58,8 @@ def _knobs(rank: int, world: int, extra: dict) -> tuple[dict, dict]:
 def _tuned(mgr, knobs):
     if "_message_bytes" in knobs:
         mgr._tiers.message_bytes = knobs["_message_bytes"]
+    if "_lanes" in knobs:
+        mgr._tiers.lanes = knobs["_lanes"]
     return mgr
 
 
@@ -284,14 +286,16 @@ def _listing(root) -> dict[str, int]:
 
 def test_restore_older_step_from_peers(clusters, tmp_path):
     """restore(step=N) of a step older than the newest: from the peers when this node's copy
-    is gone, with small messages (files cut between messages and between ranks' ranges)."""
+    is gone, with small messages and several lanes (files cut between messages, ranges and
+    lanes)."""
     local, persistent = tmp_path / "local", tmp_path / "persistent"
-    _run_save(clusters, 4, local, persistent, persist_every=None, local_keep_last=3, _message_bytes=1000)
+    _run_save(clusters, 4, local, persistent, persist_every=None, local_keep_last=3, _message_bytes=1000,
+              _lanes=3)
     assert sorted(n for n in os.listdir(local / "node1") if n.endswith(".tier.json")) == [
         "step_00000003.tier.json", "step_00000004.tier.json", "step_00000005.tier.json"]
     shutil.rmtree(local / "node1")
     res = _restore(clusters, 4, local, persistent, persist_every=None, local_keep_last=3, _step=4,
-                   _message_bytes=1000)
+                   _message_bytes=1000, _lanes=2)
     assert all(r["step"] == 4 and r["source"] == "peers" and r["exact"] for r in res), res
     # node1's ranks fetched the whole step 4 (node0's copy holds every node's files)
     m = json.loads((local / "node0" / "step_00000004.tier.json").read_text())
@@ -367,6 +371,34 @@ def test_uneven_nodes_two_replicas(clusters, tmp_path):
     shutil.rmtree(local / "na")
     res = _restore(clusters, 4, local, persistent, persist_every=None, local_replicas=2, _nodes=nodes)
     assert all(r["step"] == 2 and r["source"] == "peers" and r["exact"] for r in res), res
+
+
+def test_split_ranges_and_streams():
+    """The byte ranges cover every file exactly once, in order, with (nearly) equal sizes,
+    empty files included; streams map ranges to ranks of nodes of any size."""
+    files = [("a", 10), ("e", 0), ("b", 1), ("c", 33), ("z", 0)]
+    for parts in range(1, 8):
+        ranges = tiers.split_ranges(files, parts)
+        sizes = [sum(n for _, _, n, _ in r) for r in ranges]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 44, (parts, sizes)
+        flat = [seg for r in ranges for seg in r]
+        got: dict[str, list] = {}
+        for rel, off, n, size in flat:
+            got.setdefault(rel, []).append((off, n, size))
+        assert list(got) == [rel for rel, _ in files]  # in order, each file once
+        for rel, size in files:
+            pieces = got[rel]
+            assert [off for off, _, _ in pieces] == [sum(n for _, n, _ in pieces[:i]) for i in range(len(pieces))]
+            assert sum(n for _, n, _ in pieces) == size and all(sz == size for _, _, sz in pieces)
+    # a node of 3 ranks sending to nodes of 2 and 1: ranges 0, 1, 2 from ranks 0, 1, 2;
+    # to ranks 10, 11, 10 and 20, 20, 20
+    st = tiers.node_streams((0, 1, 2), [(10, 11), (20,)], files, 3)
+    assert [(s.src, s.dst) for s in st] == [(0, (10, 20)), (1, (11, 20)), (2, (10, 20))]
+    # a fetch by a node of 4 ranks from a node of 2, 2 lanes: 8 streams, every rank busy
+    st = tiers.node_streams((0, 1), [(4, 5, 6, 7)], files, 4, lanes=2)
+    assert [(s.src, s.dst) for s in st] == [(0, (4,)), (0, (4,)), (1, (5,)), (1, (5,)),
+                                            (0, (6,)), (0, (6,)), (1, (7,)), (1, (7,))]
+    assert sum(s.nbytes for s in st) == 44
 
 
 # ---------------------------------------------------------- a rank killed during replication

@@ -23,10 +23,13 @@ Layout of a node's local tier, ``<local_dir>/<node>/``:
 Save: plan and stage on the caller's thread as ``async_save`` does (one device->host copy);
 then, in the manager's worker thread over a side gloo group: C0, leaders create each
 node's hidden directory ``.zarrckpt-<id>.<hex>`` (under a §7.5 lock, so dead ones are
-cleaned), C1, every rank writes into its node's directory, C2, leaders exchange the
-node's files with its replica nodes (batches of ``replica_batch_bytes``), write what they
-receive, sync, move the directory to ``step_<N>`` and write the manifest; C3. Then local
-retention (leaders, ``local_keep_last``) and, on a ``persist_every`` step, promotion.
+cleaned), C1, every rank writes into its node's directory, C2; every rank lists the
+files it wrote (one all-gather), and all ranks of every node send their share of its files
+to their counterparts on the replica nodes at once, which write them (``transfer``: streams
+of messages read with ``preadv`` into reused buffers and written with ``pwrite``, reads,
+sends, receives and writes overlapping; spec C.9); an agreement; then leaders sync, move
+the directory to ``step_<N>`` and write the manifest; C3. Then local retention (leaders,
+``local_keep_last``) and, on a ``persist_every`` step, promotion.
 
 Promotion (same worker thread, side group): rank 0 claims ``<persistent>/step_<N>`` and
 creates the save's directory there exactly as a save does (``engine.begin``); every
@@ -36,10 +39,12 @@ leaves the persistent root as it was (plus a §7.5 leftover on file systems).
 
 Restore: leaders list their manifests and check every listed file's size; one
 all-gather; the newest step whose copies with one save id together hold every node's
-files is chosen (unless the persistent root holds a newer step). Leaders missing files
-get them from a peer holding them (point to point), write them into their copy, and,
-once it holds everything, its committed root: then every rank loads its own node's copy
-with :func:`zarrckpt.load` (any world size, any layout).
+files is chosen (unless the persistent root holds a newer step). The ranks of a node
+missing files get them, each a share, from the ranks of a node holding them (``transfer``
+over a side gloo group) into their node's copy, after the leader un-claimed them in its
+manifest; once it holds everything, the leader writes its committed root and manifest:
+then every rank loads its own node's copy with :func:`zarrckpt.load` (any world size, any
+layout).
 """
 
 from __future__ import annotations
@@ -211,8 +216,9 @@ def delete_step(root: str, name: str) -> None:
 # ``os.pwrite`` from a memoryview while the others are being received. Every stream runs
 # in a thread of its own, so every rank of a node moves data at once.
 
-MESSAGE_BYTES = 4 << 20  # gloo point to point peaks at 1-8 MiB messages (BENCHMARKS.md, issue 19)
+MESSAGE_BYTES = 8 << 20  # gloo point to point is flat from ~1 MiB; CPU per byte of the transfer falls to ~8 MiB (BENCHMARKS.md, issue 19)
 DEPTH = 3  # slots per stream and side: one being read or written, two in flight
+MAX_LANES = 4  # streams per pair of ranks, at most (default_lanes)
 
 Segment = tuple[str, int, int, int]  # (relative path, offset, length, size of the whole file)
 
@@ -258,16 +264,28 @@ def split_ranges(files: list[tuple[str, int]], parts: int) -> list[list[Segment]
 
 
 def node_streams(src_ranks: tuple[int, ...], dst_nodes: list[tuple[int, ...]], files: list[tuple[str, int]],
-                 parts: int) -> list[Stream]:
+                 pairs: int, lanes: int = 1) -> list[Stream]:
     """Streams moving ``files`` (which every rank of the source node can read) to every
-    node of ``dst_nodes``: ``parts`` byte ranges, range ``j`` sent by ``src_ranks[j % S]``
-    to rank ``j % D`` of each destination node (so with ``parts = S`` each sending rank
-    reads its range once, whatever the destination nodes' sizes)."""
+    node of ``dst_nodes``: ``pairs`` contiguous byte ranges of (nearly) equal size, range
+    ``p`` sent by ``src_ranks[p % S]`` to rank ``p % D`` of each destination node (with
+    ``pairs = S`` each sending rank reads its range once, whatever the destination nodes'
+    sizes), each cut again into ``lanes`` streams that run at once (more threads reading,
+    sending and writing for one pair of ranks)."""
     out = []
-    for j, segs in enumerate(split_ranges(files, parts)):
+    for j, segs in enumerate(split_ranges(files, pairs * lanes)):
+        p = j // lanes
         if segs:
-            out.append(Stream(src_ranks[j % len(src_ranks)], tuple(d[j % len(d)] for d in dst_nodes), tuple(segs)))
+            out.append(Stream(src_ranks[p % len(src_ranks)], tuple(d[p % len(d)] for d in dst_nodes), tuple(segs)))
     return out
+
+
+def default_lanes(ranks_on_node: int) -> int:
+    """Streams per pair of ranks: this host's CPUs shared by its ranks, 1 to 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_LANES, cpus // max(1, ranks_on_node)))
 
 
 def _messages(total: int, size: int) -> list[int]:
@@ -304,8 +322,9 @@ _slots = _Slots()
 
 
 class _Files:
-    """A cursor over a stream's segments that reads (``fill``) or writes (``drain``) the
-    next ``len(view)`` bytes, keeping the current file open."""
+    """A cursor over a stream's segments: :meth:`move` reads the next ``len(view)`` bytes
+    into ``view`` (``os.preadv``) or writes them from it (``os.pwrite``), keeping the
+    current file open."""
 
     def __init__(self, directory: str, segments: tuple[Segment, ...], write: bool) -> None:
         self.dir, self.segments, self.write = directory, segments, write
@@ -532,7 +551,7 @@ class TierRun(SaveRun):
             root = self._root("committed") if g.rank == 0 else None
         except BaseException as e:  # noqa: BLE001
             mine, root, error = None, None, e
-        views = g.all_gather((mine, root, error is None, self.tiers.message_bytes))
+        views = g.all_gather((mine, root, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes))))
         if not all(ok for _, _, ok, _ in views):
             g.agree(error or SaveFailedError("another rank failed"), "listing the local tier save's files",
                     SaveFailedError)
@@ -546,11 +565,11 @@ class TierRun(SaveRun):
             if self.tiers.targets(i):
                 send = [f for f in files[nodes.names[i]] if f[0] not in groups]
                 streams += node_streams(nodes.ranks[i], [nodes.ranks[j] for j in self.tiers.targets(i)], send,
-                                        len(nodes.ranks[i]))
+                                        len(nodes.ranks[i]), views[0][3][1])
         store_dir = self.store.local_path
         t1 = time.perf_counter()
         try:
-            self.replica_bytes = transfer(g, streams, store_dir, store_dir, message_bytes=views[0][3],
+            self.replica_bytes = transfer(g, streams, store_dir, store_dir, message_bytes=views[0][3][0],
                                           depth=self.tiers.depth, label=f"save {self.step}")
         except BaseException as e:  # noqa: BLE001 - every rank learns it at the next agreement
             error = e
@@ -624,6 +643,7 @@ class Tiers:
         self.batch_bytes = batch_bytes  # promotion: bytes of writes in flight
         self.message_bytes = MESSAGE_BYTES  # replicas and fetches: rank 0's value is used
         self.depth = DEPTH
+        self.lanes: int | None = None  # streams per pair of ranks (rank 0's); None: default_lanes
         self._nodes: Nodes | None = None
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-tiers")
         self._tasks: list[cf.Future] = []
@@ -643,6 +663,9 @@ class Tiers:
     @property
     def node_root(self) -> str:
         return os.path.join(self.local_dir, self.nodes.names[self.nodes.me])
+
+    def lanes_for(self, nodes: Nodes) -> int:
+        return self.lanes if self.lanes is not None else default_lanes(len(nodes.ranks[nodes.me]))
 
     def targets(self, i: int) -> list[int]:
         return self.nodes.replica_targets(i, self.local_replicas)
@@ -884,10 +907,11 @@ class Tiers:
                 src = next((d + j) % k for j in range(1, k) if m in per.get((d + j) % k, set()))
                 bucket = wanted.setdefault((src, d), {})
                 bucket.update((rel, size) for rel, size in files[m] if rel not in held)
+        message_bytes, lanes = g.all_gather((self.message_bytes, self.lanes_for(nodes)))[0] if wanted else (0, 1)
         streams = []
         for (src, d), bucket in sorted(wanted.items()):
             streams += node_streams(nodes.ranks[src], [nodes.ranks[d]], sorted(bucket.items()),
-                                    max(len(nodes.ranks[src]), len(nodes.ranks[d])))
+                                    max(len(nodes.ranks[src]), len(nodes.ranks[d])), lanes)
         copy_dir = os.path.join(self.node_root, name)
         error = None
         fetched = 0
@@ -903,8 +927,8 @@ class Tiers:
                 error = e
             g.agree(error, f"preparing the local tier copy of step {s} for a fetch", LoadFailedError)
             try:
-                fetched = transfer(side, streams, copy_dir, copy_dir, message_bytes=side.all_gather(
-                    self.message_bytes)[0], depth=self.depth, label=f"restore {s}")
+                fetched = transfer(side, streams, copy_dir, copy_dir, message_bytes=message_bytes,
+                                   depth=self.depth, label=f"restore {s}")
             except BaseException as e:  # noqa: BLE001
                 error = e
             g.agree(error, f"fetching the local tier copies of step {s} from the peers", LoadFailedError)
