@@ -87,7 +87,7 @@ def test_truncated_and_bad_index_objects_are_refused():
 
     from zarrckpt.api.shared_reads import decode
     from zarrckpt.errors import CorruptChunkError
-    from zarrckpt.storage._localfile import ChunkCodec
+    from zarrckpt.storage import ChunkCodec
 
     codec = ChunkCodec((8, 4), (8, 4), (4, 4), True, np.dtype("float32"))
     import crc32c

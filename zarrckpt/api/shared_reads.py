@@ -40,8 +40,10 @@ from ..distributed import group as zdist
 from ..errors import CorruptChunkError
 from ..format import dtypes
 from ..format.layout import slices as _slices
-from ..storage._localfile import ChunkCodec, chunk_codec
+from ..storage import ChunkCodec, chunk_codec
 from ..storage.inflight import wait_all
+
+__all__ = ["PIECE_BYTES", "Piece", "ROUND_BYTES", "decode", "owner", "run", "split"]
 
 Box = tuple[tuple[int, int], ...]
 

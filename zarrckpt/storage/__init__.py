@@ -35,11 +35,12 @@ from ._tensorstore import (
     storage_error,
     translate_error,
 )
+from ._localfile import ChunkCodec, chunk_codec
 from .base import Array, Storage
 from .memory import FaultStorage
 
-__all__ = ["Array", "FaultStorage", "Storage", "StorageOptions", "in_memory_array", "io_counters", "kvstore_spec",
-           "open_storage", "status_code", "storage_error", "translate_error"]
+__all__ = ["Array", "ChunkCodec", "FaultStorage", "Storage", "StorageOptions", "chunk_codec", "in_memory_array",
+           "io_counters", "kvstore_spec", "open_storage", "status_code", "storage_error", "translate_error"]
 
 
 def open_storage(location: Storage | str | os.PathLike, options: StorageOptions | None = None) -> Storage:
