@@ -63,7 +63,18 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
         dist.init_process_group("gloo", rank=r, world_size=world)
     torch.set_num_threads(1)
     res: dict = {"plain_blocked": [], "plain_total": [], "tier_blocked": [], "tier_local_commit": [],
-                 "tier_replicate_s": [], "tier_replica_bytes": []}
+                 "tier_replicate_s": [], "tier_replica_bytes": [], "plain_cpu": [], "tier_cpu": []}
+
+    def cpu() -> float:  # this process's CPU seconds (user + system, every thread)
+        import resource
+
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    def summed(x: float) -> float:  # over every rank
+        got: list = [None] * world
+        dist.all_gather_object(got, x)
+        return sum(got)
 
     def tuned(mgr):
         if mgr._tiers is not None:
@@ -77,34 +88,35 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
 
     sd = state(world, mib, 1)
     for s in range(saves):  # plain async_save
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu()
         fut = zarrckpt.async_save(sd, os.path.join(root, "plain", f"s{s}"))
         res["plain_blocked"].append(time.perf_counter() - t0)
         fut.result()
         res["plain_total"].append(time.perf_counter() - t0)
+        res["plain_cpu"].append(summed(cpu() - c0))
     local, persistent = os.path.join(root, "local"), os.path.join(root, "persistent")
     with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local, persist_every=saves, async_save=True)) as mgr:
         for s in range(1, saves + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu()
             fut = mgr.save(s, sd)
             res["tier_blocked"].append(time.perf_counter() - t0)
             rep = fut.result()
             res["tier_local_commit"].append(time.perf_counter() - t0)
+            res["tier_cpu"].append(summed(cpu() - c0))
             res["tier_replicate_s"].append(rep["seconds"].get("replicate", rep["seconds"].get("commit", 0.0)))
-            got: list = [None] * world  # bytes every rank received: the replicas moved by all nodes
-            dist.all_gather_object(got, rep.get("replica_bytes_received", 0))
-            res["tier_replica_bytes"].append(sum(got))
+            # bytes every rank received: the replicas moved by all nodes
+            res["tier_replica_bytes"].append(summed(rep.get("replica_bytes_received", 0)))
         mgr.wait()
     dist.barrier()
 
     def restore(tag: str) -> None:
         target = state(world, mib, 0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu()
         with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local)) as mgr:
             step = mgr.restore(target)
             rep = mgr.last_restore
-            res[f"restore_{tag}"] = {"seconds": time.perf_counter() - t0, "step": step,
+            res[f"restore_{tag}"] = {"seconds": time.perf_counter() - t0, "step": step, "cpu": summed(cpu() - c0),
                                      "source": rep["source"],
                                      "fetched_bytes": rep.get("fetched_bytes_all_nodes", 0),
                                      "fetch_seconds": rep.get("fetch_seconds")}
@@ -259,13 +271,14 @@ def main() -> None:
     print(f"  blocked per save: plain async_save {med(res['plain_blocked']):.3f} s, tiers {med(res['tier_blocked']):.3f} s")
     print(f"  until committed:  plain async_save {med(res['plain_total']):.3f} s, tiers (local + replicas) "
           f"{med(res['tier_local_commit']):.3f} s")
+    print(f"  CPU per save, all ranks: plain async_save {med(res['plain_cpu']):.3f} s, tiers {med(res['tier_cpu']):.3f} s")
     rep_s, rep_b = med(res["tier_replicate_s"]), med(res["tier_replica_bytes"])
     if rep_b:
         print(f"  replication phase: {rep_b / 2**20:.1f} MiB moved by all nodes in {rep_s:.3f} s = "
               f"{rep_b / rep_s / 1e9:.2f} GB/s")
     for tag in ("local", "peers", "persistent"):
         r = res[f"restore_{tag}"]
-        print(f"  restore {tag:>10}: {r['seconds']:.3f} s (step {r['step']}, source {r['source']}, "
+        print(f"  restore {tag:>10}: {r['seconds']:.3f} s, {r['cpu']:.2f} CPU s (step {r['step']}, source {r['source']}, "
               f"fetched {r['fetched_bytes'] / 2**20:.1f} MiB by all nodes"
               + (f" in {r['fetch_seconds']:.3f} s" if r.get("fetch_seconds") else "") + ")")
     print("  bytes read from persistent storage during the peer restore: 0 (the directory was moved away)")
