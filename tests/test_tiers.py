@@ -473,3 +473,81 @@ def test_rank_killed_during_replication(clusters, tmp_path, die_rank):
     _run_save(clusters, 4, local, tmp_path / "persistent", steps=(3,), persist_every=None)
     for node in ("node0", "node1"):
         assert not [n for n in os.listdir(local / node) if n.startswith(".zarrckpt-")], os.listdir(local / node)
+
+
+def _fetch_kill_child(rank, world, port, local, message_bytes, result_dir):
+    """One rank of a world of its own: restores (step 5 is newest; node1's copy lacks a
+    file of node0, so node1 fetches node0's keys), and rank 2 (node1) kills itself right
+    after writing the first message it received."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZARRCKPT_NODE=_node(rank, world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+
+    def hook(label, k):
+        if label == "restore 5 received" and k == 0 and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tiers._transfer_hook = hook
+    outcome = "restored"
+    mgr = _mgr(local, os.path.join(local, "..", "persistent"), persist_every=None, local_keep_last=3)
+    mgr._tiers.message_bytes, mgr._tiers.lanes = message_bytes, 1
+    try:
+        mgr.restore(_state(world, 0))
+    except Exception as e:  # noqa: BLE001 - the expected outcome on the survivors
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+        f.write(outcome)
+    os._exit(0)
+
+
+def test_fetch_killed_midway_leaves_no_false_claim(clusters, tmp_path):
+    """A fetch writes keys in place at their final sizes; when it is cut short (the
+    receiving rank SIGKILLed after its first message, which ends in the middle of a key), the
+    copy must not still claim the node it was fetching: node1's copy of step 5 had a damaged
+    key of node0 (so node1 fetched node0's keys from node0); after the kill, with node0 gone,
+    step 5 is not restorable and step 4 restores bit-exact from node1's copy."""
+    from _cluster import free_port
+
+    local = tmp_path / "local"
+    kw = dict(persist_every=None, local_keep_last=3, chunk_target_bytes=None)  # a chunk per shard
+    _run_save(clusters, 4, local, tmp_path / "persistent", steps=(3, 4, 5), **kw)
+    m = json.loads((local / "node1" / "step_00000005.tier.json").read_text())
+    own1 = {rel for rel, _ in m["files"]["node1"]}
+    bucket = sorted((rel, size) for rel, size in m["files"]["node0"] if rel not in own1)
+    first = tiers.split_ranges(bucket, 2)[0]  # what node1's first rank fetches, in order
+    at, victim = 0, None
+    for rel, off, n, size in first:
+        if "/c/" in rel and off == 0 and n == size and size > 64:
+            victim = (rel, at, size)
+            break
+        at += n
+    assert victim is not None, first
+    rel, at, size = victim
+    (local / "node1" / "step_00000005" / rel).write_bytes(b"")  # damaged: node0 invalid in node1's copy
+    results = tmp_path / "results"
+    results.mkdir()
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    # the first message ends in the middle of the victim
+    procs = [ctx.Process(target=_fetch_kill_child, args=(r, 4, port, str(local), at + size // 2, str(results)))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert procs[2].exitcode == -signal.SIGKILL
+    assert os.path.getsize(local / "node1" / "step_00000005" / rel) == size  # written in place, in part
+    m = json.loads((local / "node1" / "step_00000005.tier.json").read_text())
+    assert m["held"] == ["node1"] and not m["complete"], m["held"]  # un-claimed before the fetch
+    assert not (local / "node1" / "step_00000005" / "zarr.json").exists()
+    shutil.rmtree(local / "node0")
+    res = _restore(clusters, 4, local, tmp_path / "persistent", **kw)
+    assert all(r["step"] == 4 and r["source"] == "peers" and r["exact"] for r in res), res

@@ -222,7 +222,8 @@ MAX_LANES = 4  # streams per pair of ranks, at most (default_lanes)
 
 Segment = tuple[str, int, int, int]  # (relative path, offset, length, size of the whole file)
 
-# tests: called as (label, message index) on the sending side after each message is sent
+# tests: called as (label, message index) by a sender after each message is sent, and as
+# (label + " received", message index) by a receiver after each message is written
 _transfer_hook: Any = None
 
 
@@ -417,7 +418,7 @@ def _send(g: zdist.Group, s: Stream, directory: str, message_bytes: int, depth: 
         raise error
 
 
-def _receive(g: zdist.Group, s: Stream, directory: str, message_bytes: int, depth: int) -> int:
+def _receive(g: zdist.Group, s: Stream, directory: str, message_bytes: int, depth: int, label: str) -> int:
     """Receive ``s`` and write it under ``directory``; ``depth`` receives stay posted while
     a slot is written. A failure to write is raised after the stream was received."""
     lengths = _messages(s.nbytes, message_bytes)
@@ -437,6 +438,8 @@ def _receive(g: zdist.Group, s: Stream, directory: str, message_bytes: int, dept
                     files.move(views[j][:n])
                 except Exception as e:  # noqa: BLE001 - raised once the stream is received
                     error = e
+            if _transfer_hook is not None:
+                _transfer_hook(f"{label} received", k)
             if k + len(slots) < len(lengths):
                 posted[k + len(slots)] = g.irecv(slots[j][:lengths[k + len(slots)]], s.src, s.tag)
         if error is None:
@@ -463,7 +466,7 @@ def transfer(g: zdist.Group, streams: list[Stream], src_dir: str, dst_dir: str, 
         if s.src == g.rank:
             jobs.append((_send, (g, s, src_dir, message_bytes, depth, label)))
         if g.rank in s.dst:
-            jobs.append((_receive, (g, s, dst_dir, message_bytes, depth)))
+            jobs.append((_receive, (g, s, dst_dir, message_bytes, depth, label)))
     if not jobs:
         return 0
     if len(jobs) == 1:
