@@ -77,6 +77,18 @@ def rank_restore(rank, world, local, url, conn, step=None):
     return {"step": got, "source": rep["source"], "exact": exact}
 
 
+def rank_restore_counted(rank, world, local, url, conn):
+    """rank_restore, with the HTTP requests this rank made to the S3 server meanwhile."""
+    import tensorstore as ts
+
+    def http() -> int:
+        return sum(int(v.get("value", 0)) for m in ts.experimental_collect_matching_metrics(
+            "/tensorstore/http/request_started") for v in m["values"])
+    before = http()
+    out = rank_restore(rank, world, local, url, conn)
+    return {**out, "requests": http() - before}
+
+
 def _refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -147,6 +159,11 @@ def test_tiers_promote_to_s3_and_restore_from_it(s3, clusters, tmp_path):
     assert names == {"step_00000003"}, names  # no leftovers beside it
     _check_s3_step(url, conn, 3)  # the S3 copy reads back bit-exact
 
+    # one node's tier wiped: step 5 from the peers, with no request at all to the bucket
+    shutil.rmtree(os.path.join(local, _node(2, 4)))
+    res = clusters(4).run(rank_restore_counted, local, url, conn)
+    assert all(r == {"step": 5, "source": "peers", "exact": True, "requests": 0} for r in res), res
+
     # the tiers intact: step 5 from the local tier
     res = clusters(4).run(rank_restore, local, url, conn)
     assert all(r["step"] == 5 and r["source"] == "local" and r["exact"] for r in res), res
@@ -179,10 +196,14 @@ def test_s3_server_killed_during_a_promotion(clusters, tmp_path):
         assert out[2]["hook_calls"] >= 2
         assert any(w in out[0]["promotion"]["error"].lower() for w in ("connect", "unreachable", "storage")), out
 
-        # while the server is down: a restore cannot tell whether the bucket holds a newer
-        # step, so it fails on every rank at once (no rank left waiting in a collective) ...
+        # while the server is down: the tiers hold step 6 whole and no manifest names a newer
+        # step, so the restore takes it from the local tier without touching the bucket ...
         res = clusters(4).run(rank_restore, local, url, conn)
-        assert all(r is not None and r["error"].startswith("StorageError") and r["seconds"] < 30
+        assert all(r == {"step": 6, "source": "local", "exact": True} for r in res), res
+        # ... a step the tiers lack needs the bucket: every rank fails at once (no rank left
+        # waiting in a collective) ...
+        res = clusters(4).run(rank_restore, local, url, conn, 7)
+        assert all(r is not None and r.get("error", "").startswith("StorageError") and r["seconds"] < 30
                    for r in res), res
         # ... and a save of a promoted step commits locally; its promotion fails on every rank
         t1 = time.monotonic()

@@ -833,23 +833,17 @@ class Tiers:
         return out
 
     def choose(self, step: int | None) -> dict:
-        """Every rank: which step to restore and from where (one all-gather)."""
+        """Every rank: the tiers' candidate steps, newest first (one all-gather). The
+        persistent root is not read here (see :meth:`_persistent_step`)."""
         g, nodes = self.g, self.nodes
         leader = g.rank == nodes.leader
-        scan, persistent, error = None, None, None
+        scan, error = None, None
         try:
             scan = self._scan() if leader else None
-            if g.rank == 0:
-                steps = self.mgr.steps()
-                if step is not None:
-                    persistent = step if step in steps else None
-                else:
-                    persistent = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - e.g. the persistent root unreachable: every rank raises
+        except Exception as e:  # noqa: BLE001
             error = e
-        g.agree(error, "listing the tiers' and the persistent root's steps", StorageError)
-        views = g.all_gather((scan, persistent))
-        persistent = views[0][1]
+        g.agree(error, "listing the tiers' steps", StorageError)
+        views = g.all_gather((scan, None))
         # (step, save id) -> node index -> valid nodes; and the save's nodes
         holdings: dict[tuple[int, str], dict[int, set[str]]] = {}
         created: dict[tuple[int, str], str] = {}
@@ -865,7 +859,21 @@ class Tiers:
                 continue
             usable.append(((s, created[(s, sid)]), s, sid, per))
         usable.sort(reverse=True)
-        return {"candidates": usable, "persistent": persistent, "views": views}
+        return {"candidates": usable, "views": views}
+
+    def _persistent_step(self, step: int | None) -> int | None:
+        """Every rank: the persistent root's newest committed step (or ``step`` if it has
+        it), listed by rank 0 (one listing request, no document or chunk read)."""
+        g = self.g
+        persistent, error = None, None
+        try:
+            if g.rank == 0:
+                steps = self.mgr.steps()
+                persistent = (step if step in steps else None) if step is not None else (steps[-1] if steps else None)
+        except Exception as e:  # noqa: BLE001 - e.g. the persistent root unreachable: every rank raises
+            error = e
+        g.agree(error, "listing the persistent root's steps", StorageError)
+        return g.all_gather(persistent)[0]
 
     def restore(self, state: dict, step: int | None, **load_options: Any) -> int | None:
         from .load import load
@@ -873,16 +881,25 @@ class Tiers:
         g, nodes = self.g, self.nodes
         t0 = time.perf_counter()
         choice = self.choose(step)
-        persistent = choice["persistent"]
         chosen = None
         for _, s, sid, per in choice["candidates"]:
-            if persistent is not None and s < persistent:
-                break
             # the save's nodes, from any manifest of that save (all name the same)
             need = self._save_nodes(s, sid, per)
             if need is not None and set().union(*per.values()) >= set(need):
                 chosen = (s, sid, per, need)
                 break
+        # The persistent root is listed only when it may hold something newer than the
+        # chosen tier step: no tier step is restorable, or a manifest names a newer step
+        # than the chosen one (its copies incomplete; it may have been promoted before the
+        # node holding it was lost). Steps reach the persistent root only from the tiers,
+        # so otherwise it holds nothing newer, and a restore from the tiers reads nothing
+        # of it (spec 7.8).
+        newest_seen = max((s for _, s, _, _ in choice["candidates"]), default=None)
+        persistent = None
+        if chosen is None or newest_seen > chosen[0]:
+            persistent = self._persistent_step(step)
+            if persistent is not None and chosen is not None and persistent > chosen[0]:
+                chosen = None
         report: dict[str, Any] = {}
         if chosen is None:
             if persistent is None:
