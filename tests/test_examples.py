@@ -20,6 +20,10 @@ def test_example_runs(script, tmp_path):
     for name in PRODUCES.get(script, ()):  # what an example promises besides a checkpoint
         with open(tmp_path / "ckpt" / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    for line in SAYS.get(script, ()):  # what an example promises to have done
+        assert line in out.stdout, out.stdout
 
 
 PRODUCES = {"analyse_run.py": ["norms.png"]}
+# the tiers example resumes, after the kill and node1's wiped tier, from the peers' copies
+SAYS = {"train_with_tiers.py": ["resumed from step 14 (source: peers,"]}
