@@ -15,8 +15,11 @@ sys.path.insert(0, TESTS)
 from _cluster import free_port  # noqa: E402
 
 RANK = """
-import os, sys, time
+import os, signal, sys, time
 from datetime import timedelta
+# a process started from a background job of a shell without job control (nohup ... &) inherits
+# SIGINT ignored, and Python then installs no handler: Ctrl-C must raise here all the same
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 import zarrckpt
