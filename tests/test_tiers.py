@@ -404,6 +404,22 @@ def test_split_ranges_and_streams():
 # ---------------------------------------------------------- a rank killed during replication
 
 
+def _four_processes(target, port, *args) -> list:
+    """Ranks 0-3 as spawned processes running ``target(rank, 4, port, *args)``, joined (150 s
+    each; any still alive then is killed)."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, 4, port, *args)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return procs
+
+
 def _kill_child(rank, world, port, local, die_rank, die_label, result_dir):
     """One rank of a world of its own: saves steps 1 and 2 (committed), then step 3, during
     whose replication rank ``die_rank`` kills itself (SIGKILL) after its first message."""
@@ -444,18 +460,7 @@ def test_rank_killed_during_replication(clusters, tmp_path, die_rank):
     local = tmp_path / "local"
     results = tmp_path / "results"
     results.mkdir()
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_kill_child, args=(r, 4, port, str(local), die_rank, "save 3", str(results)))
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    procs = _four_processes(_kill_child, free_port(), str(local), die_rank, "save 3", str(results))
     assert procs[die_rank].exitcode == -signal.SIGKILL
     outcomes = {int(f.name[4:]): f.read_text() for f in results.iterdir()}
     assert die_rank not in outcomes
@@ -530,19 +535,8 @@ def test_fetch_killed_midway_leaves_no_false_claim(clusters, tmp_path):
     (local / "node1" / "step_00000005" / rel).write_bytes(b"")  # damaged: node0 invalid in node1's copy
     results = tmp_path / "results"
     results.mkdir()
-    ctx = mp.get_context("spawn")
-    port = free_port()
     # the first message ends in the middle of the victim
-    procs = [ctx.Process(target=_fetch_kill_child, args=(r, 4, port, str(local), at + size // 2, str(results)))
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    procs = _four_processes(_fetch_kill_child, free_port(), str(local), at + size // 2, str(results))
     assert procs[2].exitcode == -signal.SIGKILL
     assert os.path.getsize(local / "node1" / "step_00000005" / rel) == size  # written in place, in part
     m = json.loads((local / "node1" / "step_00000005.tier.json").read_text())
