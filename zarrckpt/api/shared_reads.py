@@ -40,7 +40,7 @@ from ..distributed import group as zdist
 from ..errors import CorruptChunkError
 from ..format import dtypes
 from ..format.layout import slices as _slices
-from ..storage import ChunkCodec, chunk_codec
+from ..storage import ChunkCodec, chunk_codec, inner_offset
 from ..storage.inflight import wait_all
 
 __all__ = ["PIECE_BYTES", "Piece", "ROUND_BYTES", "decode", "owner", "run", "split"]
@@ -49,7 +49,6 @@ Box = tuple[tuple[int, int], ...]
 
 PIECE_BYTES = 4 << 20  # pieces up to this size are read through their chunk's owner
 ROUND_BYTES = 256 << 20  # pieces of one rank per round
-_ABSENT = 2**64 - 1
 _ALIGN = 16  # pieces start at multiples of this in the buffers exchanged (views of any dtype)
 
 
@@ -266,12 +265,7 @@ def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, whe
     _check(mv[end:-4], mv[-4:], where + " (its shard index)")
     table = np.frombuffer(mv[end:-4], dtype="<u8").reshape(codec.count, 2)
     for j in codec.present(index):
-        off, nbytes = (int(x) for x in table[int(np.ravel_multi_index(j, codec.grid))])
-        if off == _ABSENT and nbytes == _ABSENT:
-            raise CorruptChunkError(f"{where}: inner chunk {j} is absent from its shard")
-        if nbytes != enc or off + nbytes > end:
-            raise CorruptChunkError(f"{where}: index entry ({off}, {nbytes}) of inner chunk {j} does not fit "
-                                    f"an uncompressed inner chunk of {enc} bytes in the object")
+        off = inner_offset(table, codec, j, end, f"{where}, inner chunk {j}")
         body = mv[off:off + codec.inner_nbytes]
         _check(body, mv[off + codec.inner_nbytes:off + enc], f"{where}, inner chunk {j}")
         ibox = codec.inner_box(index, j)

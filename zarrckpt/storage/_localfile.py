@@ -40,7 +40,7 @@ from .base import Array
 from ..format import dtypes
 from ..errors import CorruptChunkError
 
-__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters"]
+__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "inner_offset"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -467,12 +467,7 @@ class LocalArray(Array):
                             raise CorruptChunkError(f"{self._where(index)}: {end + 4} bytes, expected "
                                                     f"{c.inner_nbytes + 4}")
                 if c.sharded:
-                    off, nbytes = (int(x) for x in table[int(np.ravel_multi_index(j, c.grid))])
-                    if off == _ABSENT and nbytes == _ABSENT:
-                        raise CorruptChunkError(f"{self._where(index, j)} is absent from its shard")
-                    if nbytes != enc or off + nbytes > end:
-                        raise CorruptChunkError(f"{self._where(index, j)}: index entry ({off}, {nbytes}) does "
-                                                f"not fit an uncompressed inner chunk of {enc} bytes in the file")
+                    off = inner_offset(table, c, j, end, self._where(index, j))
                 else:
                     off = 0
                 ibox = c.inner_box(index, j)
@@ -500,6 +495,20 @@ class LocalArray(Array):
         finally:
             if fd >= 0:
                 os.close(fd)
+
+
+def inner_offset(table: np.ndarray, codec: ChunkCodec, j: tuple[int, ...], end: int, where: str) -> int:
+    """Where inner chunk ``j`` starts in a shard whose inner chunks end at ``end``, from its
+    checked index ``table``; CorruptChunkError (naming ``where``) for an absent inner chunk or
+    an entry that is not one uncompressed inner chunk inside the shard (spec §5.5)."""
+    off, nbytes = (int(x) for x in table[int(np.ravel_multi_index(j, codec.grid))])
+    if off == _ABSENT and nbytes == _ABSENT:
+        raise CorruptChunkError(f"{where} is absent from its shard")
+    enc = codec.inner_nbytes + 4
+    if nbytes != enc or off + nbytes > end:
+        raise CorruptChunkError(f"{where}: index entry ({off}, {nbytes}) does not fit an uncompressed inner "
+                                f"chunk of {enc} bytes in the file")
+    return off
 
 
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short: Exception) -> None:
