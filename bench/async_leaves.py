@@ -1,7 +1,7 @@
 """Time blocked by later async saves: many small leaves against few large ones, same bytes.
 
     python bench/async_leaves.py [--device cuda|cpu] [--mib 1024] [--leaves 64,2169] [--reps 5]
-        [--dir /dev/shm/zal] [--out results.json]
+        [--dir /dev/shm/zal] [--out results.json] [--profile]
 
 One process (a one-rank gloo group, as DCP's async_save needs one). For every leaf count N,
 a state of N tensors of about ``--mib`` MiB in total on ``--device``; per system, one save to
@@ -14,7 +14,8 @@ warm up, then ``--reps`` later saves, the two systems alternating:
   True)`` (pinned, reused staging; it copies before returning, so blocked = staged) and
   ``FileSystemWriter(thread_count=4)``.
 
-Also the copy bound: one ``copy_`` of the same bytes from the device into a pinned host
+Each zarrckpt record also has the save report's ``plan`` and ``stage`` seconds; ``--profile``
+prints a cProfile of 5 more later saves per leaf count. Also the copy bound: one ``copy_`` of the same bytes from the device into a pinned host
 buffer (CUDA), or a memcpy (CPU). Prints a table and writes every number to JSON.
 Issue 16 item 4's goals: blocked(2,169 leaves) <= 1.2 x blocked(64 leaves); staging >= 90 %
 of the copy bound; blocked <= DCP's cached stager.
@@ -71,8 +72,9 @@ def zarrckpt_save(sd: dict, path: str) -> dict:
     t1 = time.perf_counter()
     fut.wait_staged()
     t2 = time.perf_counter()
-    fut.result()
-    return {"blocked": t1 - t0, "staged": t2 - t0, "total": time.perf_counter() - t0}
+    report = fut.result()
+    return {"blocked": t1 - t0, "staged": t2 - t0, "total": time.perf_counter() - t0,
+            **{f"phase_{k}": v for k, v in report["seconds"].items() if k in ("plan", "stage")}}
 
 
 def dcp_save(sd: dict, path: str, stager) -> dict:
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/dev/shm/zal")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile 5 more later saves per leaf count")
     a = ap.parse_args()
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -122,6 +125,19 @@ def main() -> None:
                 if rep:  # the first save of each system warms up (plans, pinned buffers)
                     runs[s].append(rec)
                 shutil.rmtree(path, ignore_errors=True)
+        if a.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            for rep in range(5):
+                path = os.path.join(a.dir, f"profiled_{n}_{rep}")
+                prof.enable()
+                fut = zarrckpt.async_save(sd, path)
+                prof.disable()
+                fut.result()
+                shutil.rmtree(path, ignore_errors=True)
+            print(f"--- {n} leaves: 5 later async_save calls under cProfile")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
         results["leaves"][n] = {s: {k: statistics.median(r[k] for r in recs) for k in recs[0]}
                                 for s, recs in runs.items()}
         results["leaves"][n]["raw"] = runs

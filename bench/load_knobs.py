@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -27,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zarrckpt  # noqa: E402
-from models import build_state  # noqa: E402
+from models import finish_pair, saved_pair  # noqa: E402
 
 
 def main() -> None:
@@ -38,23 +36,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's default zarrckpt loads")
     a = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world,))
-    cfg = types.SimpleNamespace(state_gb=a.state_gb, hidden=0, vocab=131072, experts=32, expert_hidden=0)
-    sd, p = build_state(a.shape, cfg, device, mesh)
-    zpath, dpath = os.path.join(a.dir, "z"), os.path.join(a.dir, "d")
-    if rank == 0:
-        shutil.rmtree(a.dir, ignore_errors=True)
-    dist.barrier()
-    zarrckpt.save(sd, zpath)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(dpath, thread_count=16))
+    sd, p, device, zpath, dpath = saved_pair(a.shape, a.state_gb, a.dir)
+    cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
     variants = {
         "zarrckpt": {},
         "inflight 1 GiB": {"max_inflight_bytes": 1 << 30},
@@ -102,10 +85,7 @@ def main() -> None:
         import pstats
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(a.dir, ignore_errors=True)
-    dist.destroy_process_group()
+    finish_pair(a.dir)
 
 
 if __name__ == "__main__":

@@ -171,3 +171,49 @@ def tensor_stats(tensors) -> dict:
             "local_bytes_min": nbytes[0] if nbytes else 0,
             "local_bytes_median": statistics.median(nbytes) if nbytes else 0,
             "local_bytes_max": nbytes[-1] if nbytes else 0}
+
+
+def saved_pair(shape: str, state_gb: float, root: str):
+    """For the load probes (``load_knobs.py``, ``load_trace.py``), under torchrun: the
+    process group (NCCL on GPUs, else gloo), this rank's device, the state of ``shape``
+    (``build_state``, 32 experts, a 131,072-row vocabulary) saved once by zarrckpt to
+    ``root/z`` and once by DCP (``FileSystemWriter``, 16 threads) to ``root/d``.
+    Returns (state dict, plan, device, zarrckpt path, DCP path)."""
+    import os
+    import shutil
+    import types
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zarrckpt
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,))
+    cfg = types.SimpleNamespace(state_gb=state_gb, hidden=0, vocab=131072, experts=32, expert_hidden=0)
+    sd, p = build_state(shape, cfg, device, mesh)
+    zpath, dpath = os.path.join(root, "z"), os.path.join(root, "d")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    zarrckpt.save(sd, zpath)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(dpath, thread_count=16))
+    return sd, p, device, zpath, dpath
+
+
+def finish_pair(root: str) -> None:
+    """The end of a load probe: every rank done, ``root`` removed, the group destroyed."""
+    import shutil
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()

@@ -12,6 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zarrckpt.format import dtypes
 from zarrckpt.format import documents as fmt
@@ -284,3 +286,90 @@ def test_small_shards_are_read_whole_in_one_call_and_still_checked(tmp_path, mon
     flip(tmp_path / "x/c/1/0", size - 7)
     with pytest.raises(CorruptChunkError, match="c/1/0: its shard index fails its crc32c"):
         read_all(tmp_path, md)
+
+
+@pytest.mark.parametrize("scratch_chunks", [1, 3, 64])
+@pytest.mark.parametrize("shape,chunk,dtype,inner_bytes", CASES)
+def test_runs_of_inner_chunks_read_every_region_exactly(tmp_path, monkeypatch, shape, chunk, dtype, inner_bytes,
+                                                        scratch_chunks):
+    """Shards read inner chunk by inner chunk (not whole): neighbours in the file come in
+    one preadv, into the target or through a buffer of ``scratch_chunks`` inner chunks;
+    whole reads, random regions and strided targets give the stored values."""
+    md = metadata(shape, chunk, dtype, inner_bytes)
+    codec = chunk_codec(md)
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    monkeypatch.setattr(_localfile._Run, "SCRATCH", scratch_chunks * codec.inner_nbytes)
+    data = values(shape, dtype)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    arr = open_storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    rng = np.random.default_rng(2)
+    boxes = [tuple((0, n) for n in shape)] + [
+        tuple(tuple(sorted(rng.integers(0, n + 1, 2))) for n in shape) for _ in range(12)]
+    for box in boxes:
+        want = data[tuple(slice(a, b) for a, b in box)]
+        part = np.zeros(want.shape, dtype)
+        arr.read_into(box, part).result()
+        assert part.tobytes() == want.tobytes(), box
+        if want.ndim:  # a strided target: every other element of a bigger array
+            big = np.zeros([2 * n for n in want.shape], dtype)
+            view = big[tuple(slice(None, None, 2) for _ in want.shape)]
+            arr.read_into(box, view).result()
+            assert view.tobytes() == want.tobytes(), box
+            assert not big[tuple(slice(1, None, 2) for _ in want.shape)].any()
+
+
+def test_a_run_of_inner_chunks_is_one_preadv_and_each_is_still_checked(tmp_path, monkeypatch):
+    data = values((256, 512), np.float32)
+    md = metadata(data.shape, (128, 512), np.float32, 16 << 10)  # inner chunks of 32 x 128: 4 x 4 a shard
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    codec = chunk_codec(md)
+    assert codec.inner == (32, 128) and codec.grid == (4, 4)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    np.testing.assert_array_equal(read_all(tmp_path, md), data)
+    # 2 shards of 16 inner chunks: 16 bodies and 16 CRCs per call, the index read apart
+    assert sorted(calls) == [32, 32]
+    # the 11th inner chunk of the second shard, in the middle of its run, is named
+    flip(tmp_path / "x/c/1/0", 10 * (codec.inner_nbytes + 4) + 100)
+    with pytest.raises(CorruptChunkError, match=r"chunk c/1/0 inner chunk \[2, 2\] fails its crc32c"):
+        read_all(tmp_path, md)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=300), min_size=1, max_size=6), st.integers(0, 64))
+def test_combined_crc_is_the_crc_of_the_concatenation(parts, pad):
+    """The CRC of parts of one size, combined from theirs, is that of their concatenation."""
+    size = max(map(len, parts)) + pad
+    parts = [p.ljust(size, b"\x5a") for p in parts]
+    assert _localfile.combined_crc([crc32c.crc32c(p) for p in parts], size) == crc32c.crc32c(b"".join(parts))
+
+
+def test_damage_in_two_inner_chunks_of_a_run_names_the_first(tmp_path, monkeypatch):
+    data = values((128, 512), np.float32)
+    md = metadata(data.shape, (128, 512), np.float32, 16 << 10)
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    enc = chunk_codec(md).inner_nbytes + 4
+    for k in (5, 9):  # the same byte of two inner chunks, the same flip
+        flip(tmp_path / "x/c/0/0", k * enc + 64)
+    with pytest.raises(CorruptChunkError, match=r"chunk c/0/0 inner chunk \[1, 1\] fails its crc32c"):
+        read_all(tmp_path, md)
+
+
+def test_run_buffers_are_kept_for_the_next_read_and_freed_by_release_staging(tmp_path, monkeypatch):
+    import zarrckpt
+
+    data = values((256, 512), np.float32)
+    md = metadata(data.shape, (128, 512), np.float32, 16 << 10)
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    _localfile.release_buffers()
+    np.testing.assert_array_equal(read_all(tmp_path, md), data)
+    kept = list(_localfile._RUN_BUFFERS._free)
+    assert kept and sum(b.nbytes for b in kept) <= _localfile._RUN_BUFFERS.keep
+    np.testing.assert_array_equal(read_all(tmp_path, md), data)
+    assert any(b is k for b in _localfile._RUN_BUFFERS._free for k in kept)  # reused, not reallocated
+    zarrckpt.release_staging()
+    assert not _localfile._RUN_BUFFERS._free

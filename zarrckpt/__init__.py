@@ -231,7 +231,9 @@ def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
 
 
 def release_staging() -> None:
-    """Free the async-save staging memory (after waiting for saves in flight)."""
+    """Free the staging memory: the async-save buffer (after waiting for saves in flight),
+    the buffer loads and sync saves of device tensors stream through, and the read buffers
+    the direct file reader keeps between loads (up to 256 MiB)."""
     from .api.async_save import release_staging as _release
 
     _release()

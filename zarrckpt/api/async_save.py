@@ -35,6 +35,7 @@ from ..distributed import group as zdist
 from ..distributed.staging import release_arenas, shared_arena, staged_nbytes
 from ..errors import SaveFailedError
 from ..format import tree as ztree
+from ..storage import release_buffers
 from ..planning.state import is_array_leaf, resolve_stateful
 from .save import SaveOptions, SaveRun, forget_staging
 
@@ -244,7 +245,9 @@ def reserve_staging(state_dict_or_nbytes: dict | int) -> int:
 
 def release_staging() -> None:
     """Free the staging buffers: the async-save one (after waiting for async saves in
-    flight, which still read from it) and the one loads and sync saves stream through."""
+    flight, which still read from it), the one loads and sync saves stream through, and
+    the direct file reader's buffers (up to 256 MiB kept between loads)."""
     wait_for_saves()
     forget_staging()
     release_arenas()
+    release_buffers()

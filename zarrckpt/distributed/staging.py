@@ -83,12 +83,17 @@ class Arena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor view of the next free bytes."""
-        start = _aligned(self._offset)
         nbytes = math.prod(shape) * dtype.itemsize
+        start = self.take_bytes(nbytes)
+        return self._buf[start:start + nbytes].view(dtype).view(shape)
+
+    def take_bytes(self, nbytes: int) -> int:
+        """Where the next free (aligned) ``nbytes`` start in :meth:`raw`; no torch call."""
+        start = _aligned(self._offset)
         if start + nbytes > self.capacity:
             raise MemoryError(f"arena of {self.capacity} bytes cannot take {nbytes} more")
         self._offset = start + nbytes
-        return self._buf[start:start + nbytes].view(dtype).view(shape)
+        return start
 
     def stage(self, src: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         """Copy ``src`` (any device) into the arena without waiting; returns the host tensor

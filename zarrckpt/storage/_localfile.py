@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import functools
 import math
 import os
 import sys
@@ -40,7 +41,7 @@ from .base import Array
 from ..format import dtypes
 from ..errors import CorruptChunkError
 
-__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "inner_offset"]
+__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "inner_offset", "release_buffers"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -254,7 +255,7 @@ class LocalArray(Array):
         self.fsync = fsync
         self._pool = _pool(threads)
         self._dirs: set[str] = set()
-        self._index: dict[tuple[int, ...], np.ndarray] = {}
+        self._index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -409,12 +410,13 @@ class LocalArray(Array):
             raise CorruptChunkError(f"{self._where(index)} is missing from storage") from None
 
     def _table(self, fd: int, index: tuple[int, ...]) -> tuple[np.ndarray, int]:
-        """(the shard index as (count, 2) uint64, where the inner chunks end), checked."""
+        """(the shard index as (count, 2) uint64, where the inner chunks end), checked; kept
+        for later reads of the chunk (a file that shrinks later fails those as truncated)."""
         c = self.codec
+        known = self._index.get(index)
+        if known is not None:
+            return known
         size = os.fstat(fd).st_size
-        table = self._index.get(index)
-        if table is not None:
-            return table, size - c.index_nbytes
         n = c.index_nbytes
         if size < n:
             raise CorruptChunkError(f"{self._where(index)} is truncated: {size} bytes, the index alone is {n}")
@@ -422,8 +424,8 @@ class LocalArray(Array):
         _count("bytes_read", len(raw))
         if len(raw) != n:
             raise CorruptChunkError(f"{self._where(index)}: short read of its index")
-        table = self._index[index] = self._parse_index(raw, index)
-        return table, size - n
+        known = self._index[index] = (self._parse_index(raw, index), size - n)
+        return known
 
     def _parse_index(self, raw: Any, index: tuple[int, ...]) -> np.ndarray:
         """The shard index (its bytes and CRC-32C) as (count, 2) uint64, checked."""
@@ -445,12 +447,22 @@ class LocalArray(Array):
 
     def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list,
                     whole: set = frozenset()) -> None:
+        """Read ``units`` ((chunk index, inner chunk) pairs, in order) of ``box`` into ``out``.
+
+        Whole inner chunks that follow each other in a file are read by one ``preadv`` (a
+        :class:`_Run`): straight into the target where each lies contiguous there, else
+        into a per-thread buffer and moved into the target by one copy per row of inner
+        chunks. With dozens of reader threads every call that releases the GIL waits to
+        take it back, and on a 32-core GPU host those waits, one per inner chunk and step,
+        cost more than the reads themselves."""
         c = self.codec
         enc = c.inner_nbytes + 4
         fd, at, data = -1, None, None
+        run = _Run(self, out, origin)
         try:
             for index, j in units:
                 if index != at:
+                    run.flush(fd)
                     if fd >= 0:
                         os.close(fd)
                         fd = -1
@@ -466,49 +478,215 @@ class LocalArray(Array):
                         if end != c.inner_nbytes:
                             raise CorruptChunkError(f"{self._where(index)}: {end + 4} bytes, expected "
                                                     f"{c.inner_nbytes + 4}")
-                if c.sharded:
-                    off = inner_offset(table, c, j, end, self._where(index, j))
-                else:
-                    off = 0
+                off = inner_offset(table, c, j, end, lambda: self._where(index, j)) if c.sharded else 0
                 ibox = c.inner_box(index, j)
+                if data is None and all(a <= ia and ib <= b and ib - ia == n
+                                        for (a, b), (ia, ib), n in zip(box, ibox, c.inner)):
+                    run.add(fd, off, index, j, ibox)  # a whole inner chunk inside the box
+                    continue
+                run.flush(fd)
                 part = tuple((max(a, ia), min(b, ib)) for (a, b), (ia, ib) in zip(box, ibox))
                 dst = _sub(out, part, origin)
-                crc = bytearray(4)
                 if data is not None:  # the file is in memory already
                     body, crc = data[off:off + c.inner_nbytes], data[off + c.inner_nbytes:off + enc]
-                    tile = np.frombuffer(body, np.uint8).view(c.dtype).reshape(c.inner)
-                    np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
-                elif part == ibox and ibox == tuple((a, a + n) for (a, _), n in zip(ibox, c.inner)) \
-                        and dst.flags.c_contiguous:
-                    body = _bytes_of(dst)  # straight into the target
-                    _preadv_all(fd, [body, crc], off, self._where(index, j))
                 else:
-                    buf = _scratch(c.inner_nbytes)
-                    body = memoryview(buf)
+                    body, crc = memoryview(_scratch(c.inner_nbytes)), bytearray(4)
                     _preadv_all(fd, [body, crc], off, self._where(index, j))
-                    tile = buf.view(c.dtype).reshape(c.inner)
-                    np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
-                if data is None:
                     _count("bytes_read", enc)
-                if crc32c.crc32c(body) != int.from_bytes(crc, "little"):
-                    raise CorruptChunkError(f"{self._where(index, j)} fails its crc32c checksum")
+                _check(body, crc, lambda: self._where(index, j))
+                tile = np.frombuffer(body, np.uint8).view(c.dtype).reshape(c.inner)
+                np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
+            run.flush(fd)
         finally:
             if fd >= 0:
                 os.close(fd)
 
 
-def inner_offset(table: np.ndarray, codec: ChunkCodec, j: tuple[int, ...], end: int, where: str) -> int:
+class _Run:
+    """Whole inner chunks that follow each other in one chunk file, read by one ``preadv``
+    (their CRC-32Cs into one small buffer) and then checked: by one CRC over the buffer
+    against the combination of theirs (:func:`combined_crc`), each on its own where that
+    differs (to name the damaged one) or where they went straight into the target.
+
+    Where every inner chunk's place in the target is contiguous, the call reads straight
+    into the target. Otherwise (a 2-D inner chunk inside a wider target, the usual case)
+    it reads into this thread's buffer of at most ``SCRATCH`` bytes, and each row of inner
+    chunks (consecutive along the last dimension) is moved by one ``np.copyto``."""
+
+    MAX = 256  # inner chunks per call (two buffers each; IOV_MAX is 1024 on Linux)
+    SCRATCH = 16 << 20
+
+    def __init__(self, array: LocalArray, out: np.ndarray, origin: tuple[int, ...]) -> None:
+        self.array, self.out, self.origin = array, out, origin
+        self.codec = array.codec
+        self.enc = self.codec.inner_nbytes + 4
+        self.start = self.next = -1
+        self.direct = False
+        self.items: list = []  # (chunk index, inner chunk, its global box, its target view)
+
+    def add(self, fd: int, off: int, index: tuple[int, ...], j: tuple[int, ...], ibox: Box) -> None:
+        dst = _sub(self.out, ibox, self.origin)
+        direct = dst.flags.c_contiguous
+        if self.items and (off != self.next or direct != self.direct or len(self.items) >= self.MAX
+                           or (not direct and (len(self.items) + 1) * self.codec.inner_nbytes > self.SCRATCH)):
+            self.flush(fd)
+        if not self.items:
+            self.start, self.direct = off, direct
+        self.items.append((index, j, ibox, dst))
+        self.next = off + self.enc
+
+    def flush(self, fd: int) -> None:
+        items = self.items
+        if not items:
+            return
+        self.items = []
+        n, size = len(items), self.codec.inner_nbytes
+        crcs = memoryview(bytearray(4 * n))
+        if self.direct:
+            bodies = [_bytes_of(dst) for *_, dst in items]
+            self._read_and_check(fd, items, bodies, crcs, None)
+            return
+        held = _RUN_BUFFERS.take(n * size)
+        try:
+            buf = memoryview(held)[:n * size]
+            self._read_and_check(fd, items, [buf[k * size:(k + 1) * size] for k in range(n)], crcs, buf)
+            self._scatter(items, buf)
+        finally:
+            _RUN_BUFFERS.give(held)
+
+    def _read_and_check(self, fd: int, items: list, bodies: list, crcs: memoryview, buf: memoryview | None) -> None:
+        n, size = len(items), self.codec.inner_nbytes
+        bufs = []
+        for k, body in enumerate(bodies):
+            bufs += [body, crcs[4 * k:4 * k + 4]]
+        _preadv_all(fd, bufs, self.start, self.array._where(*items[0][:2]))
+        _count("bytes_read", n * self.enc)
+        stored = [int.from_bytes(crcs[4 * k:4 * k + 4], "little") for k in range(n)]
+        if buf is None or n == 1 or crc32c.crc32c(buf) != combined_crc(stored, size):
+            for body, crc, (index, j, _, _) in zip(bodies, stored, items):  # names the damaged one
+                if crc32c.crc32c(body) != crc:
+                    raise CorruptChunkError(f"{self.array._where(index, j)} fails its crc32c checksum")
+
+    def _scatter(self, items: list, buf: memoryview) -> None:
+        """Move the inner chunks from ``buf`` into the target, one copy per row of them."""
+        c, n = self.codec, len(items)
+        tiles = np.frombuffer(buf, np.uint8).view(c.dtype).reshape((n, *c.inner))
+        s = 0
+        while s < n:  # a row: inner chunks consecutive along the last dimension
+            e = s + 1
+            while e < n and items[e][1][:-1] == items[s][1][:-1] and items[e][1][-1] == items[e - 1][1][-1] + 1:
+                e += 1
+            first, last = items[s][2], items[e - 1][2]
+            dst = _sub(self.out, first[:-1] + ((first[-1][0], last[-1][1]),), self.origin)
+            k, w = e - s, c.inner[-1]
+            dst = np.lib.stride_tricks.as_strided(dst, (*c.inner[:-1], k, w),
+                                                  (*dst.strides[:-1], w * dst.strides[-1], dst.strides[-1]))
+            np.copyto(dst, np.moveaxis(tiles[s:e], 0, -2), casting="no")
+            s = e
+
+
+class _Buffers:
+    """Host buffers for runs read through a buffer, lent to one reader thread at a time and
+    kept for the next run up to ``keep`` bytes in all (more reader threads at once
+    allocate and drop theirs). :func:`release_buffers` frees them."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.nbytes >= nbytes:
+                    return self._free.pop(i)
+        return np.empty(max(nbytes, _Run.SCRATCH), np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if sum(b.nbytes for b in self._free) + buf.nbytes <= self.keep:
+                self._free.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_RUN_BUFFERS = _Buffers(256 << 20)
+
+
+def release_buffers() -> None:
+    """Free the read buffers kept between loads (``zarrckpt.release_staging`` calls this)."""
+    _RUN_BUFFERS.clear()
+
+
+def _check(body: Any, crc: Any, where: Callable[[], str]) -> None:
+    """CorruptChunkError unless ``crc`` (4 bytes, little-endian) is ``body``'s CRC-32C."""
+    if crc32c.crc32c(body) != int.from_bytes(crc, "little"):
+        raise CorruptChunkError(f"{where()} fails its crc32c checksum")
+
+
+# ---- CRC-32C of a concatenation from its parts' CRCs (zlib's crc32_combine, for the
+# Castagnoli polynomial): a run of inner chunks is checked by one CRC over all their bytes
+# (one call, one release of the GIL) against the combination of their stored CRCs. Where
+# they differ, each inner chunk is checked on its own to name the damaged one. A damaged
+# inner chunk always changes the combined CRC (the shift by the later bytes is invertible),
+# so this finds exactly what checking each one finds, except damage to several inner
+# chunks that cancels out, as likely as one CRC-32C missing damage (2**-32).
+
+_POLY = 0x82F63B78  # CRC-32C, reflected
+
+
+def _times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that moves a CRC register past ``nbytes`` zero bytes."""
+    step = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    for _ in range(3):  # 8 zero bits: one zero byte
+        step = [_times(step, c) for c in step]
+    op = [1 << n for n in range(32)]  # identity
+    while nbytes:
+        if nbytes & 1:
+            op = [_times(step, c) for c in op]
+        nbytes >>= 1
+        if nbytes:
+            step = [_times(step, c) for c in step]
+    return tuple(op)
+
+
+def combined_crc(crcs: list[int], nbytes: int) -> int:
+    """The CRC-32C of the concatenation of parts of ``nbytes`` each, from their CRCs."""
+    op = _shift_operator(nbytes)
+    out = crcs[0]
+    for c in crcs[1:]:
+        out = _times(op, out) ^ c
+    return out
+
+
+def inner_offset(table: np.ndarray, codec: ChunkCodec, j: tuple[int, ...], end: int,
+                 where: str | Callable[[], str]) -> int:
     """Where inner chunk ``j`` starts in a shard whose inner chunks end at ``end``, from its
-    checked index ``table``; CorruptChunkError (naming ``where``) for an absent inner chunk or
-    an entry that is not one uncompressed inner chunk inside the shard (spec §5.5)."""
+    checked index ``table``; CorruptChunkError (naming ``where``, or what it returns) for an
+    absent inner chunk or an entry that is not one uncompressed inner chunk inside the shard
+    (spec §5.5)."""
     off, nbytes = (int(x) for x in table[int(np.ravel_multi_index(j, codec.grid))])
+    enc = codec.inner_nbytes + 4
+    if nbytes == enc and off + nbytes <= end:
+        return off
+    where = where() if callable(where) else where
     if off == _ABSENT and nbytes == _ABSENT:
         raise CorruptChunkError(f"{where} is absent from its shard")
-    enc = codec.inner_nbytes + 4
-    if nbytes != enc or off + nbytes > end:
-        raise CorruptChunkError(f"{where}: index entry ({off}, {nbytes}) does not fit an uncompressed inner "
-                                f"chunk of {enc} bytes in the file")
-    return off
+    raise CorruptChunkError(f"{where}: index entry ({off}, {nbytes}) does not fit an uncompressed inner "
+                            f"chunk of {enc} bytes in the file")
 
 
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short: Exception) -> None:
