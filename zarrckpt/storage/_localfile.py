@@ -563,9 +563,8 @@ class _Run:
         _count("bytes_read", n * self.enc)
         stored = [int.from_bytes(crcs[4 * k:4 * k + 4], "little") for k in range(n)]
         if buf is None or n == 1 or crc32c.crc32c(buf) != combined_crc(stored, size):
-            for body, crc, (index, j, _, _) in zip(bodies, stored, items):  # names the damaged one
-                if crc32c.crc32c(body) != crc:
-                    raise CorruptChunkError(f"{self.array._where(index, j)} fails its crc32c checksum")
+            for k, (body, (index, j, _, _)) in enumerate(zip(bodies, items)):  # names the damaged one
+                _check(body, crcs[4 * k:4 * k + 4], lambda: self.array._where(index, j))
 
     def _scatter(self, items: list, buf: memoryview) -> None:
         """Move the inner chunks from ``buf`` into the target, one copy per row of them."""
