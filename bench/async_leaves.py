@@ -38,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import zarrckpt
+from zarrckpt.distributed.staging import shared_arena
+from zarrckpt.planning.plan import local_view
 
 
 def sync(device: torch.device) -> None:
@@ -86,6 +88,109 @@ def dcp_save(sd: dict, path: str, stager) -> dict:
     return {"blocked": t1 - t0, "staged": t1 - t0, "total": time.perf_counter() - t0}
 
 
+def trace(sd: dict, where: str, n: int) -> dict:
+    """5 more later saves, each with CUDA timing events on the staging side stream: ``gpu``
+    from the side stream's start (it waits for the current stream) to the end of its copies,
+    ``gpu_from_call`` from the call to that end (the staging time the device sees: the
+    training stream waits for it), ``first_issue`` (host) from the call to the first step
+    issued, ``stage_end`` (host) to the end of ``stage()``; then ``replay``: the last save's staging steps issued again in a
+    loop with every source known (the device time of the copies alone)."""
+    from zarrckpt.api import save as _save
+
+    marks: dict = {}
+    real_call, real_stage = _save._Feed.__call__, _save.SaveRun.stage
+
+    def call(self, leaves):
+        if "first_issue" not in marks:
+            marks["first_issue"] = time.perf_counter()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.side)
+            marks["ev0"] = ev
+        t = time.perf_counter()
+        try:
+            return real_call(self, leaves)
+        finally:
+            marks["feed_host"] = marks.get("feed_host", 0.0) + time.perf_counter() - t
+
+    def stage(self, arena, **kw):
+        out = real_stage(self, arena, **kw)
+        marks["stage_end"] = time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(_save._copy_stream(torch.device("cuda", torch.cuda.current_device())))
+        marks["ev1"] = ev
+        return out
+
+    _save._Feed.__call__, _save.SaveRun.stage = call, stage
+    recs = []
+    try:
+        for rep in range(5):
+            marks.clear()
+            path = os.path.join(where, f"traced_{n}_{rep}")
+            torch.cuda.synchronize()
+            call = torch.cuda.Event(enable_timing=True)
+            call.record()  # the device is idle: this is the call's time on the device's clock
+            t0 = time.perf_counter()
+            fut = zarrckpt.async_save(sd, path)
+            t1 = time.perf_counter()
+            fut.wait_staged()
+            t2 = time.perf_counter()
+            fut.result()
+            shutil.rmtree(path, ignore_errors=True)
+            rec = {"blocked": t1 - t0, "staged": t2 - t0, "stage_end": marks["stage_end"] - t0}
+            if "ev0" in marks:
+                rec["first_issue"] = marks["first_issue"] - t0
+                rec["gpu"] = marks["ev0"].elapsed_time(marks["ev1"]) / 1e3
+                rec["gpu_from_call"] = call.elapsed_time(marks["ev1"]) / 1e3
+                rec["feed_host"] = marks["feed_host"]
+            recs.append(rec)
+    finally:
+        _save._Feed.__call__, _save.SaveRun.stage = real_call, real_stage
+    st = _save._STAGED
+    srcs = [local_view(t) for t in sd["model"].values()]  # leaf order
+    by_pos = [None] * len(st.todo)
+    for k, j in enumerate(st.leaf_index):
+        by_pos[k] = srcs[j] if j < len(srcs) else None
+    arena = shared_arena()
+    side = _save._copy_stream(torch.device("cuda", torch.cuda.current_device()))
+    raw = arena.raw()
+
+    def gathers(step):
+        for ks, views in step.groups:
+            torch._foreach_copy_(views, [by_pos[k] for k in ks])
+
+    def d2h(step):
+        if step.groups:
+            raw[step.start:step.end].copy_(st.device_bufs[step.buf][:step.end - step.start], non_blocking=True)
+
+    def issue(step):
+        st.issue(step, by_pos, arena, [])
+        if step is st.steps[-1]:
+            st.finish(by_pos, arena, [])
+
+    out = {k: statistics.median(r[k] for r in recs) for k in recs[0]}
+    for name, fn in (("replay", issue),
+                     ("replay_gathers", gathers), ("replay_d2h", d2h)):
+        times, host = [], []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side), torch.no_grad():
+                a.record()
+                t = time.perf_counter()
+                for step in st.steps:
+                    fn(step)
+                host.append(time.perf_counter() - t)
+                b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[name] = statistics.median(times)
+        out[name + "_host"] = statistics.median(host)
+    out["steps"] = len(st.steps)
+    print(f"trace {n} leaves (median of 5, ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in out.items()
+                                                            if k != "steps") + f"; {out['steps']} steps")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -95,6 +200,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/zal")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile 5 more later saves per leaf count")
+    ap.add_argument("--trace", action="store_true",
+                    help="CUDA: time 5 more later saves on the device (side stream) and the same copies alone")
     a = ap.parse_args()
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -125,6 +232,8 @@ def main() -> None:
                 if rep:  # the first save of each system warms up (plans, pinned buffers)
                     runs[s].append(rec)
                 shutil.rmtree(path, ignore_errors=True)
+        if a.trace and device.type == "cuda":
+            results.setdefault("trace", {})[n] = trace(sd, a.dir, n)
         if a.profile:
             import cProfile
             import pstats

@@ -279,3 +279,67 @@ def test_async_saves_of_ranks_holding_different_keys(tmp_path, clusters):
     import _grouped
 
     assert clusters(2).run(_grouped.async_different_keys, str(tmp_path)) == [{"ok": True}] * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_later_saves_copy_while_walking_the_state(tmp_path, monkeypatch, device):
+    """Issue 16 item 4: a later async save whose plans and staging are reused issues its
+    copies in steps while it walks the state (the first step before the walk has found
+    half the leaves), in the order the walk finds them, whatever the key order; small
+    CUDA leaves of several dtypes are gathered on the device, large ones and CPU leaves
+    copied straight. Every checkpoint holds the values at its call; a change found late in
+    the walk, after steps were issued, stages afresh and stays exact."""
+    import numpy as np
+
+    from zarrckpt.api import save as _save
+
+    calls: list[int] = []
+    real = _save._Feed.__call__
+
+    def spy(self, leaves):
+        calls.append(len(leaves))
+        return real(self, leaves)
+
+    monkeypatch.setattr(_save._Feed, "__call__", spy)
+    monkeypatch.setattr(_save._Staging, "_BATCH", 2 << 20)  # several steps on the GPU too
+    g = torch.Generator().manual_seed(0)
+    # keys out of sorted order: the plans are in key order, the arena in walk order
+    layers = {f"layers.{i}": {"w": torch.randn(128, 512, generator=g),
+                              "b": torch.randn(64, generator=g).to(torch.bfloat16),
+                              "n": torch.arange(i, i + 3), "flag": torch.rand(7, generator=g) > 0.5}
+              for i in reversed(range(60))}
+    state = {"model": layers, "big": torch.randn(1 << 20, generator=g), "step": 0,
+             "np": np.arange(5.0), "cpu": torch.ones(9)}
+    state = {k: ({n: {m: t.to(device) for m, t in d.items()} for n, d in v.items()} if k == "model"
+                 else v.to(device) if k == "big" else v) for k, v in state.items()}
+    leaves = 4 * 60 + 3
+
+    def snapshot():
+        return {"big": state["big"].cpu().clone(), "cpu": state["cpu"].clone(),
+                **{f"{n}.{m}": t.cpu().clone() for n, d in state["model"].items() for m, t in d.items()}}
+
+    def check(name, expect):
+        got = zarrckpt.load_state_dict(tmp_path / name)
+        assert torch.equal(got["big"], expect["big"]) and torch.equal(got["cpu"], expect["cpu"])
+        for n, d in got["model"].items():
+            for m, t in d.items():
+                assert t.dtype == expect[f"{n}.{m}"].dtype and torch.equal(t, expect[f"{n}.{m}"]), (name, n, m)
+
+    for step in range(4):
+        if step == 3:  # found at the walk's last layer, after most steps were issued
+            state["model"]["layers.0"]["w"] = torch.randn(128, 511, device=device)
+        calls.clear()
+        state["step"] = step
+        expect = snapshot()
+        fut = zarrckpt.async_save(state, tmp_path / f"s{step}")
+        for d in state["model"].values():  # training goes on at once
+            d["w"].add_(1)
+            d["n"].add_(1)
+        state["big"].mul_(2)
+        state["cpu"].add_(1)
+        fut.result(timeout=120)
+        check(f"s{step}", expect)
+        if step in (1, 2):  # reused: copies began early in the walk
+            assert calls and calls[0] < leaves // 2, calls
+        assert zarrckpt.load_state_dict(tmp_path / f"s{step}")["step"] == step

@@ -109,8 +109,16 @@ def _background(fut: SaveFuture, side: zdist.Group) -> None:
     run = fut.run
     try:
         try:
+            # This thread starts holding the GIL, while async_save, which has just started it,
+            # waits to take it back and return: release it first (blocking, without Python
+            # work), else the caller waits for this thread's next switch (5 ms).
             if run.staged_event is not None:
+                # the copies: Python work while they run would also hold the GIL that the
+                # caller's training step needs
                 run.staged_event.synchronize()
+                # a caller blocked in wait_staged() woke up with this thread: let it take
+                # the GIL first
+            time.sleep(0.001)
             fut._staging_done()
             run.agree(None)
             run.prepare()
@@ -185,9 +193,10 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()
         with _gc_paused():
-            error = run.plan(defer_tree=True)
+            arena = shared_arena()
+            error = run.plan(defer_tree=True, arena=arena)
             if error is None:
-                error = run.stage(shared_arena(), overlap=overlap)
+                error = run.stage(arena, overlap=overlap)
         what = f"planning and staging the save to {run.url!r}"
         ok, (plain_same,), _ = run.g.check(error is None, [run.plain_digest() if error is None else b""])
         if not ok:

@@ -177,6 +177,7 @@ class SaveRun:
         self.resolved: Any = None  # the resolved state, while the tree is not encoded yet
         self.plan_token: Any = None  # plan_state's token: same plans as an earlier save
         self.leaf_sources: list | None = None  # plans reused with their staging: this save's array leaves
+        self.feed: _Feed | None = None  # plans reused: staging copies issued during plan()'s walk
         self.restricted = False  # plain arrays already restricted to their holders (async)
         self.arrays: list[ArrayPlan] = []
         self.all_docs: dict[str, dict] = {}  # every array's zarr.json (rank 0: of all ranks)
@@ -206,21 +207,29 @@ class SaveRun:
 
     # ---- plan and C0 ----------------------------------------------------------
 
-    def plan(self, *, defer_tree: bool = False) -> BaseException | None:
+    def plan(self, *, defer_tree: bool = False, arena: Arena | None = None) -> BaseException | None:
         """Local planning; returns the error (reported to every rank at C0).
         ``defer_tree`` (async saves): where the plans of the previous save are reused,
-        the tree is encoded at C0, in the background (``plan_state``)."""
+        the tree is encoded at C0, in the background (``plan_state``). ``arena`` (async
+        saves, then staged into it): where the previous save's staging applies, its copies
+        start during the walk of the state (:class:`_Feed`; :meth:`stage` issues the rest)."""
         t0 = time.perf_counter()
         try:
             self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
             st = _STAGED
             if defer_tree and st is not None:  # async: plans and staging of the last save, reused?
-                self.resolved, reuse = resolve_reusing(self.state, self.g, self.options.plan)
+                feed = None
+                if arena is not None and st.token is not None and st.arena == arena.identity():
+                    side = _copy_stream(st.cuda) if st.cuda is not None and arena.pinned else None
+                    feed = _Feed(st, arena, side)
+                self.resolved, reuse = resolve_reusing(self.state, self.g, self.options.plan, feed)
                 if reuse is not None and reuse[0] is st.token:
-                    self.plan_token, self.leaf_sources = reuse
+                    self.plan_token, self.leaf_sources, self.feed = reuse[0], reuse[1], feed
                     self.tree, self.arrays = None, []  # the arrays come with the staging (stage())
                     return None
+                if feed is not None:
+                    feed.abandon()
             else:
                 self.resolved = resolve_stateful(self.state)
             self.tree, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
@@ -368,16 +377,23 @@ class SaveRun:
         When the plans are those of the previous async save (same ``plan_token``) and the
         arena is the same buffer, so are the host views and the staged plans
         (:class:`_Staging`): the copies are issued in batches, and nothing is done per leaf
-        but collecting its source."""
+        but collecting its source; when ``plan(arena=...)`` reused them, most batches were
+        issued during its walk of the state (:class:`_Feed`) and the rest are issued here."""
         global _STAGED
         t0 = time.perf_counter()
         try:
             st = _STAGED
+            feed, self.feed = self.feed, None
             if self.leaf_sources is not None and st is not None and st.arena == arena.identity():
                 leaves = self.leaf_sources  # plan() found this save's plans in st
-                todo, srcs = st.todo, [local_view(leaves[j]) for j in st.leaf_index]  # copied under no_grad
+                todo = st.todo
+                if feed is None or feed.st is not st:
+                    feed, srcs = None, [local_view(leaves[j]) for j in st.leaf_index]  # copied under no_grad
                 self.arrays = arrays = list(st.all_plans)
             else:
+                if feed is not None:
+                    feed.abandon()
+                    feed = None
                 if self.leaf_sources is not None:  # the arena changed meanwhile: plan as usual
                     _, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
                                                                  defer_tree=True)
@@ -404,6 +420,8 @@ class SaveRun:
                     st = _Staging.first(self, arena, todo, srcs, nbytes, cuda)
                     if self.plan_token is not None:
                         _STAGED = st
+                elif feed is not None:  # most steps were issued while plan() walked the state
+                    srcs = feed.finish(leaves)
                 else:
                     st.copy(srcs, arena)
             if self.leaf_sources is None:  # else arrays are st.all_plans already
@@ -568,20 +586,46 @@ class SaveRun:
         }
 
 
+class _Step:
+    """One batch of a later save's staging copies, in arena order (see :class:`_Staging`):
+    ``groups``, per dtype, the small CUDA leaves gathered in the device buffer (positions,
+    and their views in it), moved to the arena span ``[start, end)`` by one device->host
+    copy; then ``direct``, copied by one ``_foreach_copy_`` straight into the arena.
+    ``need``: how many array leaves a walk of the state has found when every source of
+    this step is known."""
+
+    __slots__ = ("need", "start", "end", "groups", "direct", "buf")
+
+    def __init__(self) -> None:
+        self.need = 0
+        self.start = self.end = -1
+        self.buf = 0  # which of the two device buffers its leaves are gathered in
+        self.groups: list[tuple[list[int], list[torch.Tensor]]] = []
+        self.direct: list[int] = []
+
+
 class _Staging:
     """How the last async save staged its plans, kept for the next one with the same plans
     (async saves stage one at a time: async_save's foreground lock).
 
-    The first save copies leaf by leaf into the arena and records the host views and the
-    plans whose sources they are. A later save copies into the same views, in batches:
-    CUDA leaves of up to ``_SMALL`` bytes are first gathered on the device, one fused
-    ``torch._foreach_copy_`` per dtype into a device buffer laid out as their part of
-    the arena, then moved by one device->host copy per batch (thousands of small copies
-    would each pay a launch and a DMA setup); larger CUDA leaves and CPU leaves are copied
-    by ``_foreach_copy_`` straight into the arena."""
+    The first save copies leaf by leaf into the arena, in the order a walk of the state
+    finds its array leaves, and records the host views and the plans whose sources they
+    are. A later save copies into the same views, in steps of up to ``_BATCH`` bytes of the
+    arena (:class:`_Step`; the first one smaller, so that the device starts early): CUDA
+    leaves of up to ``_SMALL`` bytes are first gathered on the device, one fused
+    ``torch._foreach_copy_`` per dtype into a device buffer laid out as their part of the
+    arena, then moved by one device->host copy (thousands of small copies would each pay a
+    launch and a DMA setup). Steps use two device buffers in turn, and their device->host
+    copies run on a second stream, so one step's gathering overlaps the previous step's
+    copy. Larger CUDA leaves and CPU leaves are copied by ``_foreach_copy_`` straight into
+    the arena (CPU: by the copy threads). A later save
+    whose plans are reused issues each step while it walks its state, as soon as the walk
+    has found the step's leaves (:class:`_Feed`), so the copies run while the rest of the
+    state is walked."""
 
     _SMALL = 4 << 20  # leaves up to this size are gathered on the device first
-    _BATCH = 64 << 20  # device buffer of one batch (the arena span of its leaves)
+    _BATCH = 32 << 20  # device buffer of one step (the arena span of its leaves); two of them
+    _FIRST = 8 << 20  # the first step's span (CUDA)
 
     def __init__(self) -> None:
         self.token: Any = None
@@ -590,15 +634,15 @@ class _Staging:
         self.nbytes = 0
         self.used = 0
         self.cuda: torch.device | None = None
+        self.threads = False  # CPU: steps copied by the copy threads
         self.hosts: list[Any] = []
         self.plans: list[ArrayPlan] = []
         self.views: list[tuple[str, np.ndarray]] = []
-        self.direct: list[int] = []  # positions copied straight into the arena (tensors)
         self.values: list[int] = []  # positions of NumPy sources (copied with [...] =)
-        self.batches: list[tuple[int, int, list[tuple[list[int], list[torch.Tensor]]]]] = []
-        self.device_buf: torch.Tensor | None = None
-        self.parts: list[list[int]] = []  # host copies: ``direct`` split for the copy threads
-        self.leaf_index: list[int] = []  # per staged plan: its array leaf's index (plan_state order)
+        self.steps: list[_Step] = []
+        self.device_bufs: list[torch.Tensor] = []
+        self.pending: list[Any] = [None, None]  # per device buffer: the end of its last device->host copy
+        self.leaf_index: list[int] = []  # per staged plan: its array leaf's index (walk order)
         self.all_plans: tuple[ArrayPlan, ...] = ()
 
     @classmethod
@@ -606,81 +650,183 @@ class _Staging:
               cuda: torch.device | None) -> _Staging:
         st = cls()
         st.token, st.todo, st.nbytes, st.cuda = run.plan_token, todo, nbytes, cuda
-        base = arena.base_ptr()
-        small: list[tuple[int, int, int]] = []  # (arena offset, nbytes, position) of small CUDA leaves
-        for k, (i, src) in enumerate(zip(todo, srcs)):
-            p = run.arrays[i]
-            if isinstance(src, torch.Tensor):
-                host, view = arena.stage(src)
-                n = src.numel() * src.element_size()
-                if src.device.type == "cuda" and arena.pinned and 0 < n <= cls._SMALL and src.is_contiguous():
-                    small.append((host.data_ptr() - base, n, k))
-                else:
-                    st.direct.append(k)
-            else:
-                host = view = np.array(src, copy=True)
-                st.values.append(k)
-            st.hosts.append(host)
-            st.views.append((p.key, view))
-            st.plans.append(with_source(p, host))
-        st.arena, st.used = arena.identity(), arena.used()
-        st.parts = _split_by_bytes(st.direct, [st.hosts[k].numel() * st.hosts[k].element_size() for k in st.direct])
+        n = len(todo)
         if run.plan_token is not None:
             order = leaf_order(run.plan_token)
             st.leaf_index = [order[i] for i in todo]
+            walk = sorted(range(n), key=st.leaf_index.__getitem__)  # the arena in walk order
+        else:
+            walk = list(range(n))
+        st.hosts, st.views, st.plans = [None] * n, [None] * n, [None] * n
+        base = arena.base_ptr()
+        items: list[tuple[int, int, int, bool]] = []  # (arena offset, nbytes, position, gathered)
+        for k in walk:
+            src, p = srcs[k], run.arrays[todo[k]]
+            if isinstance(src, torch.Tensor):
+                host, view = arena.stage(src)
+                size = src.numel() * src.element_size()
+                gathered = (src.device.type == "cuda" and arena.pinned and 0 < size <= cls._SMALL
+                            and src.is_contiguous())
+                items.append((host.data_ptr() - base, size, k, gathered))
+            else:
+                host = view = np.array(src, copy=True)
+                st.values.append(k)
+            st.hosts[k], st.views[k], st.plans[k] = host, (p.key, view), with_source(p, host)
+        st.arena, st.used = arena.identity(), arena.used()
+        if run.plan_token is not None:
             staged = dict(zip(todo, st.plans))
             # every plan of the save: staged ones with their host copies, the others without
             # a source (this rank writes and sends nothing of them)
             st.all_plans = tuple(staged.get(i) or with_source(p, None) for i, p in enumerate(run.arrays))
-        # batches: runs of small leaves whose arena span fits one device buffer
-        run_: list[tuple[int, int, int]] = []
-        for item in small + [None]:
-            if run_ and (item is None or item[0] + item[1] - run_[0][0] > cls._BATCH):
-                start = run_[0][0]
-                end = run_[-1][0] + run_[-1][1]
-                st.batches.append((start, end, st._by_dtype(run_, start)))
-                run_ = []
-            if item is not None:
-                run_.append(item)
+        st._steps(items)
         return st
 
-    def _by_dtype(self, run_: list[tuple[int, int, int]], start: int) -> list[tuple[list[int], list[torch.Tensor]]]:
-        """Per dtype: the positions and their device views (made once the buffer exists)."""
-        groups: dict[torch.dtype, list[int]] = {}
-        for off, n, k in run_:
-            groups.setdefault(self.hosts[k].dtype, []).append(k)
-        return [(ks, []) for ks in groups.values()]
+    def _steps(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """Cut the staged leaves (arena order) into steps of at most ``_BATCH`` bytes of arena
+        (on the CPU: about an eighth of the bytes per copy thread, so that they all work)."""
+        total = sum(n for _, n, _, _ in items)
+        limit = self._BATCH
+        if self.cuda is None:
+            self.threads = _COPY_THREADS >= 2 and len(items) >= 64 and total >= (16 << 20)
+            limit = min(limit, max(total // (2 * _COPY_THREADS), 1 << 20)) if self.threads else total + 1
+        step, first, small, gathering = _Step(), 0, [], 0
+        for off, n, k, gathered in items + [(0, 0, None, False)]:
+            if (step.direct or small) and (k is None or off + n - first > (
+                    limit if self.steps or self.cuda is None else min(limit, self._FIRST))):
+                if small:
+                    step.start, step.end = small[0][0], small[-1][0] + small[-1][1]
+                    groups: dict[torch.dtype, list[int]] = {}
+                    for _, _, j in small:
+                        groups.setdefault(self.hosts[j].dtype, []).append(j)
+                    step.groups = [(ks, []) for ks in groups.values()]
+                    step.buf, gathering = gathering % 2, gathering + 1
+                self.steps.append(step)
+                step, small = _Step(), []
+            if k is None:
+                break
+            if not (step.direct or small):
+                first = off
+            if gathered:
+                small.append((off, n, k))
+            else:
+                step.direct.append(k)
+            step.need = max(step.need, self.leaf_index[k] + 1 if self.leaf_index else 0)
+
+    def _device_views(self, arena: Arena) -> None:
+        """The two device buffers and each gathered leaf's view in its step's buffer (made
+        once per staging); every save starts with no copy pending on them."""
+        self.pending = [None, None]
+        span = max((s.end - s.start for s in self.steps if s.groups), default=0)
+        if not span or self.device_bufs:
+            return
+        streams = (_copy_stream(self.cuda), _copy_stream(self.cuda, 1))
+        for _ in range(2 if sum(1 for s in self.steps if s.groups) > 1 else 1):
+            buf = torch.empty(span, dtype=torch.uint8, device=self.cuda)
+            for stream in streams:  # used on both: freed only after their work on it
+                buf.record_stream(stream)
+            self.device_bufs.append(buf)
+        base = arena.base_ptr()
+        for s in self.steps:
+            for ks, views in s.groups:
+                views.clear()
+                buf = self.device_bufs[s.buf]
+                for k in ks:
+                    h = self.hosts[k]
+                    off = h.data_ptr() - base - s.start
+                    views.append(buf[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape))
+
+    def issue(self, step: _Step, srcs: list, arena: Arena, copies: list) -> None:
+        """Issue one step's copies (on the current stream, the side stream, and its partner
+        for device->host copies of gathered leaves; CPU: on a copy thread, its future
+        appended to ``copies``)."""
+        hosts = self.hosts
+        if step.groups:
+            gather = torch.cuda.current_stream(self.cuda)
+            if self.pending[step.buf] is not None:  # the buffer's previous copy has read it
+                gather.wait_event(self.pending[step.buf])
+            for ks, views in step.groups:
+                torch._foreach_copy_(views, [srcs[k] for k in ks])
+            d2h = _copy_stream(self.cuda, 1)
+            d2h.wait_stream(gather)
+            with torch.cuda.stream(d2h):
+                arena.raw()[step.start:step.end].copy_(self.device_bufs[step.buf][:step.end - step.start],
+                                                        non_blocking=True)
+                self.pending[step.buf] = d2h.record_event()
+        if step.direct:
+            dst, src = [hosts[k] for k in step.direct], [srcs[k] for k in step.direct]
+            if self.threads:
+                copies.append(_copy_pool().submit(torch._foreach_copy_, dst, src))
+            else:
+                torch._foreach_copy_(dst, src, non_blocking=self.cuda is not None and arena.pinned)
 
     def copy(self, srcs: list, arena: Arena) -> None:
-        hosts = self.hosts
-        if self.batches:
-            span = max(end - start for start, end, _ in self.batches)
-            if self.device_buf is None or self.device_buf.numel() < span:
-                self.device_buf = torch.empty(span, dtype=torch.uint8, device=self.cuda)
-                base = arena.base_ptr()
-                for start, _, groups in self.batches:
-                    for ks, views in groups:
-                        views.clear()
-                        for k in ks:
-                            h = hosts[k]
-                            off = h.data_ptr() - base - start
-                            views.append(self.device_buf[off:off + h.numel() * h.element_size()]
-                                         .view(h.dtype).view(h.shape))
-            buf = arena.raw()
-            for start, end, groups in self.batches:
-                for ks, views in groups:
-                    torch._foreach_copy_(views, [srcs[k] for k in ks])
-                buf[start:end].copy_(self.device_buf[:end - start], non_blocking=True)
-        if self.direct:
-            if self.cuda is None and self.parts:  # host memory: copies in parallel
-                list(_copy_pool().map(lambda ks: torch._foreach_copy_([hosts[k] for k in ks], [srcs[k] for k in ks]),
-                                      self.parts))
-            else:
-                torch._foreach_copy_([hosts[k] for k in self.direct], [srcs[k] for k in self.direct],
-                                     non_blocking=self.cuda is not None and arena.pinned)
+        """Every step at once (the sources known already)."""
+        self._device_views(arena)
+        copies: list = []
+        for step in self.steps:
+            self.issue(step, srcs, arena, copies)
+        self.finish(srcs, arena, copies)
+
+    def finish(self, srcs: list, arena: Arena, copies: list) -> None:
+        """After the last step: wait for the copy threads (CPU); make the current stream
+        wait for the device->host copies of the partner stream (CUDA); NumPy sources."""
+        for f in copies:
+            f.result()
+        for ev in self.pending:
+            if ev is not None:
+                torch.cuda.current_stream(self.cuda).wait_event(ev)
+        self.pending = [None, None]
         for k in self.values:
-            hosts[k][...] = srcs[k]
+            self.hosts[k][...] = srcs[k]
         arena.skip(self.used)
+
+
+class _Feed:
+    """A later async save's staging, fed by the walk of its state (``resolve_reusing``):
+    called whenever the walk has found ``at`` array leaves, it issues every step whose
+    leaves are all found (on the side stream, after the work queued on the current
+    stream). ``token``: the plans the walk must match for these steps to apply."""
+
+    def __init__(self, st: _Staging, arena: Arena, side: Any) -> None:
+        self.st, self.arena, self.side = st, arena, side
+        self.token = st.token
+        self.srcs: list = [None] * len(st.todo)
+        self.copies: list = []
+        self.next = 0
+        self.at = st.steps[0].need if st.steps else 1 << 62
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(st.cuda))
+        st._device_views(arena)
+
+    def __call__(self, leaves: list) -> None:
+        st, srcs, li = self.st, self.srcs, self.st.leaf_index
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext(), torch.no_grad():
+            while self.next < len(st.steps) and st.steps[self.next].need <= len(leaves):
+                step = st.steps[self.next]
+                for ks, _ in step.groups:
+                    for k in ks:
+                        srcs[k] = local_view(leaves[li[k]])
+                for k in step.direct:
+                    srcs[k] = local_view(leaves[li[k]])
+                st.issue(step, srcs, self.arena, self.copies)
+                self.next += 1
+        self.at = st.steps[self.next].need if self.next < len(st.steps) else 1 << 62
+
+    def finish(self, leaves: list) -> list:
+        """The rest of the steps and the NumPy sources; returns every source (by position)."""
+        self(leaves)
+        for k in self.st.values:
+            self.srcs[k] = local_view(leaves[self.st.leaf_index[k]])
+        self.st.finish(self.srcs, self.arena, self.copies)
+        return self.srcs
+
+    def abandon(self) -> None:
+        """The walk found a different state: wait for the copies issued (the arena is
+        staged afresh)."""
+        for f in self.copies:
+            f.result()
+        if self.side is not None and self.next:
+            self.side.synchronize()
 
 
 _STAGED: _Staging | None = None
@@ -701,22 +847,6 @@ def _copy_pool() -> cf.ThreadPoolExecutor:
 _COPY_THREADS = max(1, min(8, torch.get_num_threads()))
 
 
-def _split_by_bytes(ks: list[int], sizes: list[int]) -> list[list[int]]:
-    """``ks`` in at most _COPY_THREADS runs of about equal bytes; [] when copying them
-    in one call is as good (few leaves, or few bytes)."""
-    total = sum(sizes)
-    if _COPY_THREADS < 2 or len(ks) < 64 or total < (16 << 20):
-        return []
-    parts: list[list[int]] = [[]]
-    acc, step = 0, total / _COPY_THREADS
-    for k, n in zip(ks, sizes):
-        if acc >= step * len(parts) and len(parts) < _COPY_THREADS:
-            parts.append([])
-        parts[-1].append(k)
-        acc += n
-    return parts
-
-
 def forget_staging() -> None:
     """Drop the last async save's staging record (its host views and device buffer)."""
     global _STAGED
@@ -729,18 +859,19 @@ def _as_bytes(pairs):
             for peer, t in pairs]
 
 
-# One side stream per device for async staging copies, made once; async saves run their
+# Side streams per device for async staging copies, made once; async saves run their
 # foreground part one at a time, but load/save threads of their own may stage too.
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 _copy_streams_lock = threading.Lock()
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` for async staging copies."""
+def _copy_stream(device: torch.device, which: int = 0) -> torch.cuda.Stream:
+    """Side stream ``which`` of ``device`` for async staging copies (0: the one a save's
+    staging runs on; 1: its partner for the device->host copies of gathered leaves)."""
     with _copy_streams_lock:
-        stream = _copy_streams.get(device)
+        stream = _copy_streams.get((device, which))
         if stream is None:
-            stream = _copy_streams[device] = torch.cuda.Stream(device)
+            stream = _copy_streams[(device, which)] = torch.cuda.Stream(device)
     return stream
 
 

@@ -691,9 +691,10 @@ class Tiers:
             run.enter("async_save")
             side = run.g.side_group()
             with am._gc_paused():
-                error = run.plan(defer_tree=True)
+                arena = shared_arena()
+                error = run.plan(defer_tree=True, arena=arena)
                 if error is None:
-                    error = run.stage(shared_arena())
+                    error = run.stage(arena)
             what = f"planning and staging the local tier save of step {step}"
             ok, (plain_same,), _ = run.g.check(error is None, [run.plain_digest() if error is None else b""])
             if not ok:

@@ -11,6 +11,7 @@ A collective that fails (a peer died, the group timed out) raises
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -396,8 +397,10 @@ def is_dtensor(obj: Any) -> bool:
     return isinstance(obj, DTensor)
 
 
+@functools.cache
 def dtensor_type() -> type | None:
-    """The DTensor class (None: torch without distributed)."""
+    """The DTensor class (None: torch without distributed). Cached: later async saves ask
+    once per leaf, and an import statement costs 0.4 us even when the module is loaded."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover

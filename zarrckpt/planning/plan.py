@@ -272,17 +272,23 @@ def reusable_plans(resolved: dict, g: zdist.Group, options: PlanOptions) -> tupl
     return hit, arrays if arrays is not None else [leaf for _, leaf in leaves if is_array_leaf(leaf)]
 
 
-def resolve_reusing(state: Any, g: zdist.Group, options: PlanOptions) -> tuple[Any, tuple[Any, list] | None]:
+def resolve_reusing(state: Any, g: zdist.Group, options: PlanOptions,
+                    feed: Any = None) -> tuple[Any, tuple[Any, list] | None]:
     """``(resolve_stateful(state), reusable_plans(that, g, options))`` in one walk over the
     state where the previous save's template matches (the blocked part of later async
-    saves: one pass instead of two over thousands of leaves)."""
+    saves: one pass instead of two over thousands of leaves).
+
+    ``feed``: called with the array leaves found so far whenever the walk has found
+    ``feed.at`` of them, as long as the state matches the template of ``feed.token``
+    (async staging starts its copies while the rest is walked)."""
     okey = json.dumps(asdict(options), sort_keys=True, default=repr)
     with _CACHE_LOCK:
         hit = _STATES.get((tuple(g.global_ranks()), g.rank, okey))
     if hit is not None:
         arrays: list = []
         ok = [True]
-        resolved = _resolve_match(state, hit[3], arrays, ok, 0)
+        resolved = _resolve_match(state, hit[3], arrays, ok, 0,
+                                  feed if feed is not None and feed.token is hit else None)
         if ok[0]:
             return resolved, (hit, arrays)
     else:
@@ -290,14 +296,15 @@ def resolve_reusing(state: Any, g: zdist.Group, options: PlanOptions) -> tuple[A
     return resolved, reusable_plans(resolved, g, options)
 
 
-def _resolve_match(obj: Any, t: tuple | None, arrays: list, ok: list, depth: int) -> Any:
+def _resolve_match(obj: Any, t: tuple | None, arrays: list, ok: list, depth: int, feed: Any = None) -> Any:
     """resolve_stateful's copy of ``obj`` while matching it against template ``t`` (see
-    _match); ``ok[0]`` turns False at the first difference (the copy is still made)."""
+    _match); ``ok[0]`` turns False at the first difference (the copy is still made).
+    ``feed``: see resolve_reusing (called between the items of a dict)."""
     if not ok[0] or depth > ztree.MAX_DEPTH:
         ok[0] = False
         return resolve_stateful(obj, depth)
     if is_stateful(obj):
-        return _resolve_match(obj.state_dict(), t, arrays, ok, depth)
+        return _resolve_match(obj.state_dict(), t, arrays, ok, depth, feed)
     kind = t[0]
     if type(obj) is dict or (type(obj) is tuple or type(obj) is list) or isinstance(obj, (dict, list)):
         if kind == 5:  # an empty container leaf
@@ -308,26 +315,36 @@ def _resolve_match(obj: Any, t: tuple | None, arrays: list, ok: list, depth: int
                 ok[0] = False
                 return resolve_stateful(obj, depth)
             copy = {}
+            if feed is None:
+                for (k, v), c in zip(obj.items(), t[2]):
+                    copy[k] = v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok) \
+                        else _resolve_match(v, c, arrays, ok, depth + 1)
+                return copy
             for (k, v), c in zip(obj.items(), t[2]):
                 copy[k] = v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok) \
-                    else _resolve_match(v, c, arrays, ok, depth + 1)
+                    else _resolve_match(v, c, arrays, ok, depth + 1, feed)
+                if len(arrays) >= feed.at and ok[0]:
+                    feed(arrays)
             return copy
         if kind != 1 or len(obj) != t[1]:
             ok[0] = False
             return resolve_stateful(obj, depth)
         out = [v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok)
-               else _resolve_match(v, c, arrays, ok, depth + 1) for v, c in zip(obj, t[2])]
+               else _resolve_match(v, c, arrays, ok, depth + 1, feed) for v, c in zip(obj, t[2])]
         return out if isinstance(obj, list) else tuple(out)
     if not _match(obj, t, arrays):  # leaves, and tuple subclasses (kept as they are)
         ok[0] = False
     return obj
 
 
+_STRIDED = torch.strided
+
+
 def _tensor_matches(v: torch.Tensor, c: tuple, arrays: list, ok: list) -> bool:
     """The plain-tensor leaf of _resolve_match, inlined at its container (``type(v)`` is
     ``c[1]`` already, so not a Stateful); True: ``v`` is its own resolved copy."""
-    if (v.shape != c[2] or v.dtype != c[3] or v.device != c[4] or v.layout != torch.strided
-            or v.is_neg() or (v.dtype.is_complex and v.is_conj())):
+    if (v.shape != c[2] or v.dtype is not c[3] or v.device != c[4] or v.layout is not _STRIDED
+            or v.is_neg() or (c[3].is_complex and v.is_conj())):  # dtypes, layouts: singletons
         ok[0] = False
     elif ok[0]:
         arrays.append(v)
@@ -436,8 +453,8 @@ def _match(obj: Any, t: tuple, arrays: list) -> bool:
         return True
     if kind == 2:
         dtensor = zdist.dtensor_type()
-        if (dtensor is None or type(obj) is not dtensor or obj.shape != t[1] or obj.dtype != t[2]
-                or obj.device_mesh is not t[3] or tuple(obj.placements) != t[4]):
+        if (dtensor is None or type(obj) is not dtensor or obj._spec.mesh is not t[3]
+                or obj._spec.placements != t[4] or obj.shape != t[1] or obj.dtype is not t[2]):
             return False
         arrays.append(obj._local_tensor)  # what local_data takes of it
         return True
