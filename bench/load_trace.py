@@ -226,21 +226,24 @@ def main() -> None:
     runs = hasattr(_localfile, "_Run")  # absent from code before this probe (run as a baseline)
     defaults = (_localfile._Run.MAX, _localfile._Run.SCRATCH) if runs else (0, 0)
 
-    def knobs(run_max: int = defaults[0], scratch: int = defaults[1], **_):
-        """Set the direct reader's knobs (inner chunks per preadv, run buffer); returns a
-        function that restores them."""
+    piece_default = _localfile.PIECE_BYTES
+
+    def knobs(run_max: int = defaults[0], scratch: int = defaults[1], piece: int = piece_default, **_):
+        """Set the direct reader's knobs (inner chunks per preadv, run buffer, bytes per read
+        task); returns a function that restores them."""
         if not runs:
             return lambda: None
-        _localfile._Run.MAX, _localfile._Run.SCRATCH = run_max, scratch
+        _localfile._Run.MAX, _localfile._Run.SCRATCH, _localfile.PIECE_BYTES = run_max, scratch, piece
 
         def undo():
-            _localfile._Run.MAX, _localfile._Run.SCRATCH = defaults
+            (_localfile._Run.MAX, _localfile._Run.SCRATCH), _localfile.PIECE_BYTES = defaults, piece_default
         return undo
     variants = {
         "zarrckpt": {},
-        "one inner chunk per call (as before)": {"run_max": 1},
-        "runs of 16 MiB": {"scratch": 16 << 20},
+        "read tasks of 8 MiB": {"piece": 8 << 20},
+        "read tasks of 4 MiB": {"piece": 4 << 20},
         "1 GiB in flight": {"load": {"max_inflight_bytes": 1 << 30}},
+        "8 MiB tasks, 1 GiB in flight": {"piece": 8 << 20, "load": {"max_inflight_bytes": 1 << 30}},
     } if runs and not a.defaults_only else {"zarrckpt": {}}
     times: dict[str, list[float]] = {"dcp": [], **{k: [] for k in variants}}
     for rep in range(a.reps):

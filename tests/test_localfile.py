@@ -379,3 +379,67 @@ def test_run_buffers_are_kept_for_the_next_read_and_freed_by_release_staging(tmp
         assert _localfile._RUN_BUFFERS._free
         zarrckpt.release_staging()
         assert not _localfile._RUN_BUFFERS._free
+
+
+def tile_boxes(shape, inner, rng, n=8):
+    """The whole array and ``n`` random boxes on tile boundaries (ending on one or at the end)."""
+    yield tuple((0, s) for s in shape)
+    for _ in range(n):
+        box = []
+        for s, t in zip(shape, inner):
+            ends = sorted(rng.choice(list(range(0, s, t)) + [s], 2, replace=False))
+            box.append((int(ends[0]), int(ends[1])))
+        yield tuple(box)
+
+
+@pytest.mark.parametrize("shape,chunk,dtype,inner_bytes", [c for c in CASES if c[0] and c[3] < (1 << 20)])
+def test_read_tiles_reads_whole_inner_chunks_in_grid_order(tmp_path, monkeypatch, shape, chunk, dtype, inner_bytes):
+    """Issue 16 (GPU loads): ``read_tiles`` reads the stored inner chunks that meet a box on
+    tile boundaries whole, padding included, into consecutive tiles in C order of their grid
+    positions, with no rearranging copy (neighbours in a file: one preadv, one CRC)."""
+    md = metadata(shape, chunk, dtype, inner_bytes)
+    codec = chunk_codec(md)
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    data = values(shape, dtype)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    arr = open_storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    tile = arr.tile_shape()
+    assert tile == codec.inner
+    fill = np.zeros((), dtype)
+    for box in tile_boxes(shape, tile, np.random.default_rng(3)):
+        grid = [-(-b // t) - a // t for (a, b), t in zip(box, tile)]
+        out = np.full((int(np.prod(grid)), *tile), 1, dtype)
+        arr.read_tiles(box, out).result()
+        for k, g in enumerate(np.ndindex(*grid)):
+            lo = [(a // t + x) * t for (a, _), t, x in zip(box, tile, g)]
+            part = tuple(slice(l, min(l + t, s)) for l, t, s in zip(lo, tile, shape))
+            want = data[part]
+            got = out[k][tuple(slice(0, p.stop - p.start) for p in part)]
+            assert got.tobytes() == want.tobytes(), (box, g)
+            pad = np.ones(tile, bool)
+            pad[tuple(slice(0, p.stop - p.start) for p in part)] = False
+            assert (out[k][pad] == fill).all(), (box, g)  # padding as stored: the fill value
+
+
+def test_read_tiles_of_a_shard_is_one_preadv_and_one_crc_and_names_damage(tmp_path, monkeypatch):
+    data = values((256, 512), np.float32)
+    md = metadata(data.shape, (128, 512), np.float32, 16 << 10)  # inner chunks of 32 x 128: 4 x 4 a shard
+    monkeypatch.setattr(_localfile, "WHOLE_FILE_BYTES", 0)
+    write_all(tmp_path, "x", md, data, DIRECT)
+    arr = open_storage(str(tmp_path), DIRECT).open_for_read("x", md).result()
+    calls, crcs = [], []
+    real, real_crc = os.preadv, _localfile.crc32c.crc32c
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    monkeypatch.setattr(_localfile, "crc32c", type("M", (), {"crc32c": staticmethod(
+        lambda b: crcs.append(memoryview(b).nbytes) or real_crc(b))}))
+    out = np.zeros((32, 32, 128), np.float32)
+    arr.read_tiles(((0, 256), (0, 512)), out).result()
+    want = data.reshape(8, 32, 4, 128).transpose(0, 2, 1, 3).reshape(32, 32, 128)
+    np.testing.assert_array_equal(out, want)
+    assert sorted(calls) == [32, 32]  # 16 bodies + 16 CRCs per shard
+    assert sorted(n for n in crcs if n > 1000) == [16 * 32 * 128 * 4] * 2  # one CRC per shard's run
+    flip(tmp_path / "x/c/1/0", 10 * (chunk_codec(md).inner_nbytes + 4) + 100)
+    with pytest.raises(CorruptChunkError, match=r"chunk c/1/0 inner chunk \[2, 2\] fails its crc32c"):
+        arr.read_tiles(((0, 256), (0, 512)), out).result()
+    with pytest.raises(ValueError, match="tile boundaries"):
+        arr.read_tiles(((0, 256), (0, 500)), out)  # not at a tile boundary nor at the end

@@ -382,6 +382,7 @@ class _Reads:
         self.half_np: list[np.ndarray] = []  # NumPy views of them
         self.cur = 0  # the half being read into
         self.copying: list[list] = [[], []]  # per half: CUDA events of its copies in flight
+        self.scratch: dict[tuple[int, torch.device], torch.Tensor] = {}  # see _scratch
         self.bytes_needed = 0
         self.bytes_fetched = 0
 
@@ -401,6 +402,7 @@ class _Reads:
             direct, base = _target(local, info)
         unit = info.inner_chunk_shape or info.chunk_shape  # the smallest unit a read fetches
         itemsize = info.dtype.numpy.itemsize
+        tile = None if direct or not info.shape else self.ckpt.tile_shape(key)
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
@@ -410,14 +412,28 @@ class _Reads:
                                   self.piece_bytes if direct else self.stage_piece_bytes):
                 if direct:  # straight into the target
                     view = base[_slices(pl)] if pl else base
-                else:  # piece by piece through the staging arena, then copied (and cast)
-                    view = self._staging(tuple(b - a for a, b in pg), info, local, pl)
+                    self.pending.add(key, self.ckpt.read_into(key, pg, view), view.nbytes)
+                    continue
+                # piece by piece through the staging arena, then copied (and cast): whole
+                # stored inner chunks as they lie in the file where the piece is made of them
+                # (read with no copy; moved into place by the copy to the target, on its
+                # device), else the piece itself
+                grid = _tile_grid(pg, tile, info.shape) if tile else None
+                view = self._staging((math.prod(grid), *tile), info, local, pl, (grid, tile, pg)) \
+                    if grid else None
+                if view is not None:
+                    self.pending.add(key, self.ckpt.read_tiles(key, pg, view), view.nbytes)
+                    continue
+                view = self._staging(tuple(b - a for a, b in pg), info, local, pl)
                 self.pending.add(key, self.ckpt.read_into(key, pg, view), view.nbytes)
 
-    def _staging(self, shape: tuple[int, ...], info: Any, target: torch.Tensor, pl: tuple) -> np.ndarray:
+    def _staging(self, shape: tuple[int, ...], info: Any, target: torch.Tensor, pl: tuple,
+                 tiling: tuple | None = None) -> np.ndarray | None:
         """A host buffer for ``target[pl]``'s data, from the current half of the arena; when it
         is full, the other half's device copies must have finished (double buffering: one
-        half is read into while the other's host->device copies run)."""
+        half is read into while the other's host->device copies run). ``tiling``: the
+        buffer holds tiles (``(grid, tile shape, global box)``, see :func:`_untile`);
+        None where they would not fit a half."""
         npdtype = info.dtype.numpy
         nbytes = math.prod(shape) * npdtype.itemsize
         if self.arena is None:
@@ -426,6 +442,8 @@ class _Reads:
             self.half_np = [h.raw().numpy() for h in self.halves]
         half = self.halves[self.cur]
         if nbytes > half.capacity:  # a tiny arena: a buffer of its own
+            if tiling is not None:
+                return None
             buf = torch.empty(shape, dtype=dtypes.torch_dtype(info.dtype), pin_memory=self.arena.pinned)
             self.batch.append((target, pl, buf))
             return dtypes.to_numpy(buf)
@@ -433,7 +451,7 @@ class _Reads:
             self._switch()
             half = self.halves[self.cur]
         start = half.take_bytes(nbytes)
-        self.batch.append((target, pl, (self.cur, start, nbytes, info.dtype, shape)))
+        self.batch.append((target, pl, (self.cur, start, nbytes, info.dtype, shape, tiling)))
         return self.half_np[self.cur][start:start + nbytes].view(npdtype).reshape(shape)
 
     def _switch(self) -> None:
@@ -443,10 +461,15 @@ class _Reads:
         events = []
         with torch.no_grad():
             for target, pl, src in self.batch:
+                dst = target[_slices(pl)] if pl else target
                 if not isinstance(src, torch.Tensor):
-                    half, start, nbytes, dtype, shape = src
-                    src = self.halves[half].raw()[start:start + nbytes].view(dtypes.torch_dtype(dtype)).view(shape)
-                (target[_slices(pl)] if pl else target).copy_(src, non_blocking=True)
+                    half, start, nbytes, dtype, shape, tiling = src
+                    src = self.halves[half].raw()[start:start + nbytes].view(dtypes.torch_dtype(dtype))
+                    if tiling is not None:
+                        _untile(src, *tiling, dst, self._scratch)
+                        continue
+                    src = src.view(shape)
+                dst.copy_(src, non_blocking=True)
             for dev in {t.device for t, _, _ in self.batch if t.device.type == "cuda"}:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(dev))
@@ -459,6 +482,15 @@ class _Reads:
         self.copying[self.cur] = []
         if self.halves:
             self.halves[self.cur].reset()
+
+    def _scratch(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Device buffer ``slot`` (0: tiles copied from the host, 1: tiles put in order) of at
+        least ``nbytes``, kept for the rest of the load. Copies through it are queued on the
+        device's current stream, in order, so one buffer serves every piece."""
+        buf = self.scratch.get((slot, device))
+        if buf is None or buf.numel() < nbytes:
+            buf = self.scratch[(slot, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     def finish(self) -> None:
         self._switch()
@@ -477,7 +509,46 @@ class _Reads:
                     ev.synchronize()
         self.arena = None
         self.halves = []
+        self.scratch = {}
         self._lease.close()
+
+
+def _tile_grid(box: tuple, tile: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Tiles per dimension of ``box`` where it starts on tile boundaries and ends on them or
+    at the array's end (it is then made of whole stored inner chunks); else None."""
+    if len(tile) != len(box):
+        return None
+    grid = []
+    for (a, b), t, n in zip(box, tile, shape):
+        if a % t or (b % t and b != n):
+            return None
+        grid.append(-(-b // t) - a // t)
+    return tuple(grid)
+
+
+def _untile(src: torch.Tensor, grid: tuple[int, ...], tile: tuple[int, ...], box: tuple, dst: torch.Tensor,
+            scratch: Callable[[int, int, torch.device], torch.Tensor]) -> None:
+    """``dst`` (the part ``box`` of an array) from ``src``: the tiles of ``box`` (1-D, the
+    array's dtype; ``grid`` of ``tile``-shaped tiles, C order, padding included), copied to
+    ``dst``'s device first if they are not there. One strided copy puts the tiles in order
+    (straight into ``dst`` where ``box`` holds whole tiles; else into a buffer whose part
+    without padding is then copied); casts to ``dst``'s dtype on the way."""
+    if src.device != dst.device:
+        dev = scratch(0, src.numel() * src.element_size(), dst.device).view(src.dtype)
+        dev.copy_(src, non_blocking=True)
+        src = dev
+    n = len(grid)
+    order = [x for d in range(n) for x in (d, n + d)]
+    tiles = src.view(*grid, *tile).permute(order)  # (grid 0, tile 0, grid 1, tile 1, ...)
+    padded = [g * t for g, t in zip(grid, tile)]
+    if all(p == b - a for p, (a, b) in zip(padded, box)):
+        for d in reversed(range(n)):
+            dst = dst.unflatten(d, (grid[d], tile[d]))
+        dst.copy_(tiles, non_blocking=True)
+        return
+    ordered = scratch(1, src.numel() * src.element_size(), src.device).view(src.dtype).view(tiles.shape)
+    ordered.copy_(tiles)
+    dst.copy_(ordered.view(padded)[tuple(slice(0, b - a) for a, b in box)], non_blocking=True)
 
 
 def _target(local: torch.Tensor, info: Any) -> tuple[bool, np.ndarray | None]:

@@ -259,6 +259,17 @@ class CheckpointView:
         :meth:`reading`)."""
         return self._ck._read_into(self._full(key), tuple((int(a), int(b)) for a, b in box), out)
 
+    def tile_shape(self, key: str) -> tuple[int, ...] | None:
+        """The tile shape :meth:`read_tiles` reads for an array leaf (its stored inner chunk
+        shape), or None where its storage cannot read tiles (packed leaves, TensorStore)."""
+        return self._ck._tile_shape(self._full(key))
+
+    def read_tiles(self, key: str, box: Iterable[tuple[int, int]], out: np.ndarray) -> Any:
+        """Start reading the stored inner chunks that meet ``box`` of an array leaf whole
+        into ``out`` (see :meth:`zarrckpt.storage.Array.read_tiles`); returns a future. The
+        root is not re-checked, as :meth:`read_into`."""
+        return self._ck._stored(self._full(key)).read_tiles(tuple((int(a), int(b)) for a, b in box), out)
+
     @checked_read
     def tensorstore(self, key: str) -> Any:
         """A TensorStore handle of an array leaf, for lazy slicing.
@@ -497,6 +508,12 @@ class Checkpoint(CheckpointView):
             out[...] = self._packed_leaf(key)[tuple(slice(a, b) for a, b in box)]
             return _done()
         return self._stored(key).read_into(box, out)
+
+    def _tile_shape(self, key: str) -> tuple[int, ...] | None:
+        node = self._leaves.get(key)
+        if node is not None and "packed" in node[1]:
+            return None
+        return self._stored(key).tile_shape()
 
     def _read_box(self, key: str, box: Box) -> np.ndarray:
         """The part ``box`` of the array at ``key`` as a new NumPy array (:meth:`_read_into`)."""

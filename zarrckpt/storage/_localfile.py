@@ -381,6 +381,51 @@ class LocalArray(Array):
                               self._read_units(box, origin, out, piece, whole))
         return group.future
 
+    def tile_shape(self) -> tuple[int, ...] | None:
+        return self.codec.inner if self.codec.sharded else None
+
+    def read_tiles(self, box: Box, out: np.ndarray) -> cf.Future:
+        c = self.codec
+        lo = [a // n for (a, _), n in zip(box, c.inner)]
+        hi = [-(-b // n) for (_, b), n in zip(box, c.inner)]
+        counts = [h - l for l, h in zip(lo, hi)]
+        if not c.sharded or any(a % n or (b % n and b != s) for (a, b), n, s in zip(box, c.inner, c.shape)) \
+                or out.shape != (math.prod(counts), *c.inner) or out.dtype != c.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{self.key}: read_tiles({box}) needs a box on tile boundaries and an output of "
+                             f"shape {(math.prod(counts), *c.inner)}, {c.dtype}, contiguous; got {out.shape}, {out.dtype}")
+        if not out.size:
+            return _Group(0).future
+        units = []  # (chunk index, inner chunk, tile) in C order of the global inner chunk grid
+        for k, g in enumerate(np.ndindex(*counts)):
+            g = [x + l for x, l in zip(g, lo)]
+            units.append((tuple(x * n // cs for x, n, cs in zip(g, c.inner, c.chunk)),
+                          tuple(x * n % cs // n for x, n, cs in zip(g, c.inner, c.chunk)), out[k]))
+        pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
+        group = _Group(len(pieces))
+        for piece in pieces:
+            self._pool.submit(group.run, lambda piece=piece: self._read_tiles(piece))
+        return group.future
+
+    def _read_tiles(self, units: list) -> None:
+        """Read ``units`` ((chunk index, inner chunk, its tile in the output)) whole."""
+        fd, at = -1, None
+        run = _Run(self, None, ())
+        try:
+            for index, j, tile in units:
+                if index != at:
+                    run.flush(fd)
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    fd, at = self._open_chunk(index), index
+                    table, end = self._table(fd, index)
+                off = inner_offset(table, self.codec, j, end, lambda: self._where(index, j))
+                run.add(fd, off, index, j, None, tile)
+            run.flush(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
     def _whole_chunks(self, piece: list) -> set:
         """Chunks of which ``piece`` wants every stored inner chunk: read in one call each
         (a chunk split between two pieces is read by inner chunks, never twice whole)."""
@@ -524,8 +569,12 @@ class _Run:
         self.direct = False
         self.items: list = []  # (chunk index, inner chunk, its global box, its target view)
 
-    def add(self, fd: int, off: int, index: tuple[int, ...], j: tuple[int, ...], ibox: Box) -> None:
-        dst = _sub(self.out, ibox, self.origin)
+    def add(self, fd: int, off: int, index: tuple[int, ...], j: tuple[int, ...], ibox: Box | None,
+            dst: np.ndarray | None = None) -> None:
+        """Inner chunk ``j`` of chunk ``index``, at ``off`` in its file: into the target's
+        part ``ibox``, or into ``dst`` (a whole tile, contiguous)."""
+        if dst is None:
+            dst = _sub(self.out, ibox, self.origin)
         direct = dst.flags.c_contiguous
         if self.items and (off != self.next or direct != self.direct or len(self.items) >= self.MAX
                            or (not direct and (len(self.items) + 1) * self.codec.inner_nbytes > self.SCRATCH)):
@@ -544,7 +593,7 @@ class _Run:
         crcs = memoryview(bytearray(4 * n))
         if self.direct:
             bodies = [_bytes_of(dst) for *_, dst in items]
-            self._read_and_check(fd, items, bodies, crcs, None)
+            self._read_and_check(fd, items, bodies, crcs, _adjacent([dst for *_, dst in items], size))
             return
         held = _RUN_BUFFERS.take(n * size)
         try:
@@ -582,6 +631,19 @@ class _Run:
                                                   (*dst.strides[:-1], w * dst.strides[-1], dst.strides[-1]))
             np.copyto(dst, np.moveaxis(tiles[s:e], 0, -2), casting="no")
             s = e
+
+
+def _adjacent(dsts: list[np.ndarray], size: int) -> memoryview | None:
+    """The bytes of ``dsts`` (contiguous, ``size`` bytes each) as one buffer where each
+    follows the one before in memory (tiles; 1-D targets), else None. Every byte of that
+    buffer belongs to one of them."""
+    if len(dsts) < 2 or not size:
+        return None
+    first = dsts[0].ctypes.data
+    if any(d.ctypes.data != first + k * size for k, d in enumerate(dsts)):
+        return None
+    start = dsts[0].reshape(-1).view(np.uint8)
+    return memoryview(np.lib.stride_tricks.as_strided(start, (len(dsts) * size,), (1,)))
 
 
 class _Buffers:

@@ -90,6 +90,19 @@ class Array(abc.ABC):
         """A future of a new array holding ``box`` (default: the whole array)."""
         return self._read(box)
 
+    def tile_shape(self) -> tuple[int, ...] | None:
+        """The shape of the tiles :meth:`read_tiles` reads (the stored inner chunk shape),
+        or None where this array cannot read tiles."""
+        return None
+
+    def read_tiles(self, box: Box, out: np.ndarray) -> Any:
+        """Read the stored inner chunks that meet ``box`` whole, padding included, into
+        ``out`` of shape ``(n, *tile_shape())`` and the array's dtype, contiguous, in C order
+        of their grid positions; ``box`` starts on tile boundaries and ends on them or at
+        the array's end. No rearranging copy: the caller moves tiles into place (a load does
+        it on the device). A missing or damaged chunk fails the future, as ``read_into``."""
+        raise NotImplementedError(f"{type(self).__name__} does not read tiles")
+
     @abc.abstractmethod
     def _write(self, box: Box, data: np.ndarray, stable: bool) -> Any: ...
 
