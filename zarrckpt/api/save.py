@@ -594,11 +594,12 @@ class _Step:
     ``need``: how many array leaves a walk of the state has found when every source of
     this step is known."""
 
-    __slots__ = ("need", "start", "end", "groups", "direct", "buf")
+    __slots__ = ("need", "start", "end", "groups", "direct", "buf", "spans")
 
     def __init__(self) -> None:
         self.need = 0
         self.start = self.end = -1
+        self.spans: tuple[torch.Tensor, torch.Tensor] | None = None  # (arena span, device buffer span)
         self.buf = 0  # which of the two device buffers its leaves are gathered in
         self.groups: list[tuple[list[int], list[torch.Tensor]]] = []
         self.direct: list[int] = []
@@ -641,6 +642,8 @@ class _Staging:
         self.values: list[int] = []  # positions of NumPy sources (copied with [...] =)
         self.steps: list[_Step] = []
         self.device_bufs: list[torch.Tensor] = []
+        self.streams: tuple[Any, Any] = (None, None)  # (the side stream: gathers; its partner: device->host)
+        self.events: list[tuple[Any, Any]] = []  # per device buffer: (gathered, copied), reused
         self.pending: list[Any] = [None, None]  # per device buffer: the end of its last device->host copy
         self.leaf_index: list[int] = []  # per staged plan: its array leaf's index (walk order)
         self.all_plans: tuple[ArrayPlan, ...] = ()
@@ -719,14 +722,18 @@ class _Staging:
         span = max((s.end - s.start for s in self.steps if s.groups), default=0)
         if not span or self.device_bufs:
             return
-        streams = (_copy_stream(self.cuda), _copy_stream(self.cuda, 1))
+        self.streams = streams = (_copy_stream(self.cuda), _copy_stream(self.cuda, 1))
         for _ in range(2 if sum(1 for s in self.steps if s.groups) > 1 else 1):
             buf = torch.empty(span, dtype=torch.uint8, device=self.cuda)
             for stream in streams:  # used on both: freed only after their work on it
                 buf.record_stream(stream)
             self.device_bufs.append(buf)
+        self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in self.device_bufs]
         base = arena.base_ptr()
+        raw = arena.raw()
         for s in self.steps:
+            if s.groups:
+                s.spans = (raw[s.start:s.end], self.device_bufs[s.buf][:s.end - s.start])
             for ks, views in s.groups:
                 views.clear()
                 buf = self.device_bufs[s.buf]
@@ -741,17 +748,22 @@ class _Staging:
         appended to ``copies``)."""
         hosts = self.hosts
         if step.groups:
-            gather = torch.cuda.current_stream(self.cuda)
+            gather, d2h = self.streams
+            gathered, copied = self.events[step.buf]
             if self.pending[step.buf] is not None:  # the buffer's previous copy has read it
                 gather.wait_event(self.pending[step.buf])
             for ks, views in step.groups:
                 torch._foreach_copy_(views, [srcs[k] for k in ks])
-            d2h = _copy_stream(self.cuda, 1)
-            d2h.wait_stream(gather)
-            with torch.cuda.stream(d2h):
-                arena.raw()[step.start:step.end].copy_(self.device_bufs[step.buf][:step.end - step.start],
-                                                        non_blocking=True)
-                self.pending[step.buf] = d2h.record_event()
+            gathered.record(gather)
+            d2h.wait_event(gathered)
+            host, device = step.spans
+            torch.cuda.set_stream(d2h)
+            try:
+                host.copy_(device, non_blocking=True)
+                copied.record(d2h)
+            finally:
+                torch.cuda.set_stream(gather)
+            self.pending[step.buf] = copied
         if step.direct:
             dst, src = [hosts[k] for k in step.direct], [srcs[k] for k in step.direct]
             if self.threads:
