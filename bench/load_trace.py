@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import gc
 import json
 import os
 import statistics
@@ -246,6 +247,16 @@ def main() -> None:
         "8 MiB tasks, 1 GiB in flight": {"piece": 8 << 20, "load": {"max_inflight_bytes": 1 << 30}},
     } if runs and not a.defaults_only else {"zarrckpt": {}}
     times: dict[str, list[float]] = {"dcp": [], **{k: [] for k in variants}}
+    per_load: dict[str, list[dict]] = {}  # zarrckpt: each load's phases and garbage-collector time
+    gc_passes: list[tuple[int, float]] = []
+    gc_start: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_passes.append((info["generation"], time.perf_counter() - gc_start[0]))
+    gc.callbacks.append(on_gc)
     for rep in range(a.reps):
         names = list(times) if rep % 2 == 0 else list(times)[::-1]
         for name in names:
@@ -257,16 +268,22 @@ def main() -> None:
                 dcp.load(sd, storage_reader=dcp.FileSystemReader(dpath))
             else:
                 undo = knobs(**variants[name])
+                rep_: dict = {}
+                gc_passes.clear()
                 try:
-                    zarrckpt.load(sd, zpath, **variants[name].get("load", {}))
+                    zarrckpt.load(sd, zpath, report=rep_, **variants[name].get("load", {}))
                 finally:
                     undo()
+                per_load.setdefault(name, []).append(
+                    {**{k: round(v, 3) for k, v in rep_.get("seconds", {}).items()},
+                     "gc_s": round(sum(d for _, d in gc_passes), 3), "gc_gen2": sum(1 for g, _ in gc_passes if g == 2)})
             if cuda:
                 torch.cuda.synchronize()
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[name].append(round(float(dt), 3))
     out["loads"] = times
+    out["per_load"] = per_load
     out["speedup_median"] = {k: round(statistics.median(times["dcp"]) / statistics.median(v), 2)
                              for k, v in times.items()}
     trace = Trace()

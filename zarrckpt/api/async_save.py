@@ -21,8 +21,6 @@ exit; :func:`wait_for_saves` waits explicitly.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import gc
 import logging
 import threading
 import time
@@ -37,6 +35,7 @@ from ..errors import SaveFailedError
 from ..format import tree as ztree
 from ..storage import release_buffers
 from ..planning.state import is_array_leaf, resolve_stateful
+from ._gc import paused
 from .save import SaveOptions, SaveRun, forget_staging
 
 log = logging.getLogger("zarrckpt")
@@ -212,19 +211,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
     return fut
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Planning and staging allocate a few objects per leaf; with thousands of leaves that
-    triggers the cyclic collector, whose full passes over a training process's heap took
-    0.1-0.2 s of the blocked time (2,169 leaves, CPU). It is paused for these few
-    milliseconds and runs later, as it would have anyway."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+_gc_paused = paused  # tiers.py uses it too
 
 
 def local_staging_bytes(state_dict: dict) -> int:

@@ -58,6 +58,7 @@ from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
 from ..storage import StorageOptions
 from . import shared_reads
+from ._gc import paused
 
 log = logging.getLogger("zarrckpt")
 
@@ -324,6 +325,14 @@ def load(
 ) -> dict:
     if strict not in STRICT_MODES:
         raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
+    with paused():  # see _gc.paused: a collection inside one rank's load stalls every rank
+        return _load(state_dict, path, process_group, strict, key_map, cast, report, max_staging_bytes,
+                     max_inflight_bytes, storage, shared_reads)
+
+
+def _load(state_dict: dict, path: Any, process_group: Any, strict: Any, key_map: KeyMap, cast: bool,
+          report: dict | None, max_staging_bytes: int, max_inflight_bytes: int, storage: StorageOptions | None,
+          shared_reads: bool | None) -> dict:
     g = zdist.group(process_group)
     g.enter("load")  # every rank called load (else a DistributedError names who did not)
     run = None
@@ -353,7 +362,7 @@ def load(
         warnings.warn(f"zarrckpt.load(strict=False) left {len(run.unexpected)} stored key(s) of "
                       f"{rep['path']!r} unloaded (the target has no place for them): "
                       f"{_fmt_keys(run.unexpected)}; they are listed in report['unexpected']",
-                      UserWarning, stacklevel=4)  # the caller of zarrckpt.load
+                      UserWarning, stacklevel=5)  # the caller of zarrckpt.load
     if report is not None:
         report.update(rep)
     return state_dict
