@@ -343,3 +343,40 @@ def test_later_saves_copy_while_walking_the_state(tmp_path, monkeypatch, device)
         if step in (1, 2):  # reused: copies began early in the walk
             assert calls and calls[0] < leaves // 2, calls
         assert zarrckpt.load_state_dict(tmp_path / f"s{step}")["step"] == step
+
+
+def test_an_error_late_in_the_walk_waits_for_the_copies_issued(tmp_path, monkeypatch):
+    """A later save whose walk fails after its first staging steps were issued (a Stateful
+    that raises) reports the error, waits for those copies, and the next save is exact."""
+    from zarrckpt.api import save as _save
+
+    waited = []
+    real = _save._Feed.abandon
+    monkeypatch.setattr(_save._Feed, "abandon", lambda self: waited.append(self.next) or real(self))
+
+    class Boom:
+        fail = False
+
+        def state_dict(self):
+            if Boom.fail:
+                raise RuntimeError("boom")
+            return {"x": torch.ones(2)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    layers = {f"l{i}": torch.randn(128, 512) for i in range(80)}  # 20 MiB: steps on the copy threads
+    state = {"model": layers, "z": Boom()}
+    zarrckpt.async_save(state, tmp_path / "a").result(timeout=60)
+    zarrckpt.async_save(state, tmp_path / "b").result(timeout=60)
+    Boom.fail = True
+    with pytest.raises(Exception, match="boom"):
+        zarrckpt.async_save(state, tmp_path / "c").result(timeout=60)
+    assert waited and waited[-1] > 0  # steps had been issued, and were waited for
+    Boom.fail = False
+    for t in layers.values():
+        t.add_(1)
+    expect = {k: v.clone() for k, v in layers.items()}
+    zarrckpt.async_save(state, tmp_path / "d").result(timeout=60)
+    got = zarrckpt.load_state_dict(tmp_path / "d")
+    assert all(torch.equal(got["model"][k], v) for k, v in expect.items())

@@ -214,12 +214,12 @@ class SaveRun:
         saves, then staged into it): where the previous save's staging applies, its copies
         start during the walk of the state (:class:`_Feed`; :meth:`stage` issues the rest)."""
         t0 = time.perf_counter()
+        feed = None
         try:
             self.location = open_storage(self.path, self.options.storage)
             self.url = self.location.url
             st = _STAGED
             if defer_tree and st is not None:  # async: plans and staging of the last save, reused?
-                feed = None
                 if arena is not None and st.token is not None and st.arena == arena.identity():
                     side = _copy_stream(st.cuda) if st.cuda is not None and arena.pinned else None
                     feed = _Feed(st, arena, side)
@@ -230,6 +230,7 @@ class SaveRun:
                     return None
                 if feed is not None:
                     feed.abandon()
+                    feed = None
             else:
                 self.resolved = resolve_stateful(self.state)
             self.tree, self.arrays, self.plan_token = plan_state(self.resolved, self.g, self.options.plan,
@@ -237,7 +238,8 @@ class SaveRun:
             if self.tree is not None:
                 self.resolved = None
         except BaseException as e:  # noqa: BLE001 - C0 tells everyone
-            self.tree, self.arrays, self.resolved = {}, [], None
+            self.tree, self.arrays, self.resolved, self.feed = {}, [], None, None
+            _abandon(feed)  # copies it issued must not land in the arena after a later save's
             return e
         finally:
             self._timed("plan", t0)
@@ -381,9 +383,9 @@ class SaveRun:
         issued during its walk of the state (:class:`_Feed`) and the rest are issued here."""
         global _STAGED
         t0 = time.perf_counter()
+        feed, self.feed = self.feed, None
         try:
             st = _STAGED
-            feed, self.feed = self.feed, None
             if self.leaf_sources is not None and st is not None and st.arena == arena.identity():
                 leaves = self.leaf_sources  # plan() found this save's plans in st
                 todo = st.todo
@@ -440,6 +442,8 @@ class SaveRun:
             elif cuda is not None:
                 torch.cuda.synchronize()
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
+            _abandon(feed)
+            _STAGED = None  # the arena's state is unknown: the next save stages afresh
             return e
         finally:
             self._timed("stage", t0)
@@ -839,6 +843,15 @@ class _Feed:
             f.result()
         if self.side is not None and self.next:
             self.side.synchronize()
+
+
+def _abandon(feed: _Feed | None) -> None:
+    """Wait for the copies a feed issued, on an error path (nothing raised from here)."""
+    if feed is not None:
+        try:
+            feed.abandon()
+        except BaseException:  # noqa: BLE001 - the error being reported is the first one
+            log.debug("zarrckpt: waiting for the staging copies after an error failed", exc_info=True)
 
 
 _STAGED: _Staging | None = None
