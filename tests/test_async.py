@@ -303,6 +303,7 @@ def test_later_saves_copy_while_walking_the_state(tmp_path, monkeypatch, device)
 
     monkeypatch.setattr(_save._Feed, "__call__", spy)
     monkeypatch.setattr(_save._Staging, "_BATCH", 2 << 20)  # several steps on the GPU too
+    monkeypatch.setattr(_save, "_COPY_THREADS", max(2, _save._COPY_THREADS))  # CPU steps on a 1-core machine too
     g = torch.Generator().manual_seed(0)
     # keys out of sorted order: the plans are in key order, the arena in walk order
     layers = {f"layers.{i}": {"w": torch.randn(128, 512, generator=g),
