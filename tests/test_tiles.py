@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import zarrckpt
 from zarrckpt.api import load as zload
 from zarrckpt.readers.checkpoint import Checkpoint
-from zarrckpt.storage import _localfile
+from zarrckpt.storage import _localfile, tile_grid
 
 
 @st.composite
@@ -120,9 +120,9 @@ def test_a_region_off_tile_boundaries_is_read_as_itself(tmp_path, monkeypatch):
 
 
 def test_tile_grid():
-    assert zload._tile_grid(((0, 64), (16, 48)), (16, 16), (64, 64)) == (4, 2)
-    assert zload._tile_grid(((48, 70),), (16,), (70,)) == (2,)  # ends at the array's end
-    assert zload._tile_grid(((8, 64),), (16,), (64,)) is None
-    assert zload._tile_grid(((0, 40),), (16,), (64,)) is None
+    assert tile_grid(((0, 64), (16, 48)), (16, 16), (64, 64)) == (4, 2)
+    assert tile_grid(((48, 70),), (16,), (70,)) == (2,)  # ends at the array's end
+    assert tile_grid(((8, 64),), (16,), (64,)) is None
+    assert tile_grid(((0, 40),), (16,), (64,)) is None
     with pytest.raises(AssertionError):
-        assert zload._tile_grid(((0, 16),), (16,), (64,)) is None
+        assert tile_grid(((0, 16),), (16,), (64,)) is None

@@ -191,7 +191,7 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         _hooks()
         run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()
-        with _gc_paused():
+        with paused():
             arena = shared_arena()
             error = run.plan(defer_tree=True, arena=arena)
             if error is None:
@@ -209,9 +209,6 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
         threading.Thread(target=_background, args=(fut, side), name="zarrckpt-async-save",
                          daemon=False).start()
     return fut
-
-
-_gc_paused = paused  # tiers.py uses it too
 
 
 def local_staging_bytes(state_dict: dict) -> int:

@@ -56,7 +56,7 @@ from ..errors import (
 from ..format.layout import Layout, Replicate, slices as _slices, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
-from ..storage import StorageOptions
+from ..storage import StorageOptions, tile_grid
 from . import shared_reads
 from ._gc import paused
 
@@ -427,7 +427,7 @@ class _Reads:
                 # stored inner chunks as they lie in the file where the piece is made of them
                 # (read with no copy; moved into place by the copy to the target, on its
                 # device), else the piece itself
-                grid = _tile_grid(pg, tile, info.shape) if tile else None
+                grid = tile_grid(pg, tile, info.shape) if tile else None
                 view = self._staging((math.prod(grid), *tile), info, local, pl, (grid, tile, pg)) \
                     if grid else None
                 if view is not None:
@@ -520,19 +520,6 @@ class _Reads:
         self.halves = []
         self.scratch = {}
         self._lease.close()
-
-
-def _tile_grid(box: tuple, tile: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Tiles per dimension of ``box`` where it starts on tile boundaries and ends on them or
-    at the array's end (it is then made of whole stored inner chunks); else None."""
-    if len(tile) != len(box):
-        return None
-    grid = []
-    for (a, b), t, n in zip(box, tile, shape):
-        if a % t or (b % t and b != n):
-            return None
-        grid.append(-(-b // t) - a // t)
-    return tuple(grid)
 
 
 def _untile(src: torch.Tensor, grid: tuple[int, ...], tile: tuple[int, ...], box: tuple, dst: torch.Tensor,

@@ -819,10 +819,7 @@ class _Feed:
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext(), torch.no_grad():
             while self.next < len(st.steps) and st.steps[self.next].need <= len(leaves):
                 step = st.steps[self.next]
-                for ks, _ in step.groups:
-                    for k in ks:
-                        srcs[k] = local_view(leaves[li[k]])
-                for k in step.direct:
+                for k in [k for ks, _ in step.groups for k in ks] + step.direct:
                     srcs[k] = local_view(leaves[li[k]])
                 st.issue(step, srcs, self.arena, self.copies)
                 self.next += 1

@@ -69,6 +69,7 @@ from ..engine import save as engine
 from ..errors import DistributedError, SaveFailedError, StorageError
 from ..format import documents as fmt
 from ..storage import open_storage
+from ._gc import paused
 from .save import SaveOptions, SaveRun
 
 log = logging.getLogger("zarrckpt")
@@ -690,7 +691,7 @@ class Tiers:
             am._hooks()
             run.enter("async_save")
             side = run.g.side_group()
-            with am._gc_paused():
+            with paused():
                 arena = shared_arena()
                 error = run.plan(defer_tree=True, arena=arena)
                 if error is None:

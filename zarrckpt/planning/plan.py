@@ -315,15 +315,10 @@ def _resolve_match(obj: Any, t: tuple | None, arrays: list, ok: list, depth: int
                 ok[0] = False
                 return resolve_stateful(obj, depth)
             copy = {}
-            if feed is None:
-                for (k, v), c in zip(obj.items(), t[2]):
-                    copy[k] = v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok) \
-                        else _resolve_match(v, c, arrays, ok, depth + 1)
-                return copy
             for (k, v), c in zip(obj.items(), t[2]):
                 copy[k] = v if c[0] == 3 and type(v) is c[1] and _tensor_matches(v, c, arrays, ok) \
                     else _resolve_match(v, c, arrays, ok, depth + 1, feed)
-                if len(arrays) >= feed.at and ok[0]:
+                if feed is not None and len(arrays) >= feed.at and ok[0]:
                     feed(arrays)
             return copy
         if kind != 1 or len(obj) != t[1]:

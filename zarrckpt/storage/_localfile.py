@@ -37,7 +37,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from .base import Array
+from .base import Array, tile_grid
 from ..format import dtypes
 from ..errors import CorruptChunkError
 
@@ -386,13 +386,13 @@ class LocalArray(Array):
 
     def read_tiles(self, box: Box, out: np.ndarray) -> cf.Future:
         c = self.codec
-        lo = [a // n for (a, _), n in zip(box, c.inner)]
-        hi = [-(-b // n) for (_, b), n in zip(box, c.inner)]
-        counts = [h - l for l, h in zip(lo, hi)]
-        if not c.sharded or any(a % n or (b % n and b != s) for (a, b), n, s in zip(box, c.inner, c.shape)) \
-                or out.shape != (math.prod(counts), *c.inner) or out.dtype != c.dtype or not out.flags.c_contiguous:
+        counts = tile_grid(box, c.inner, c.shape) if c.sharded else None
+        if counts is None or out.shape != (math.prod(counts), *c.inner) or out.dtype != c.dtype \
+                or not out.flags.c_contiguous:
             raise ValueError(f"{self.key}: read_tiles({box}) needs a box on tile boundaries and an output of "
-                             f"shape {(math.prod(counts), *c.inner)}, {c.dtype}, contiguous; got {out.shape}, {out.dtype}")
+                             f"{math.prod(counts or ())} tiles of {c.inner}, {c.dtype}, contiguous; "
+                             f"got {out.shape}, {out.dtype}")
+        lo = [a // n for (a, _), n in zip(box, c.inner)]
         if not out.size:
             return _Group(0).future
         units = []  # (chunk index, inner chunk, tile) in C order of the global inner chunk grid

@@ -50,9 +50,23 @@ if TYPE_CHECKING:
 
     from ._tensorstore import StorageOptions
 
-__all__ = ["Array", "Box", "Storage"]
+__all__ = ["Array", "Box", "Storage", "tile_grid"]
 
 Box = tuple[tuple[int, int], ...]
+
+
+def tile_grid(box: Box, tile: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Tiles per dimension of ``box`` where it starts on tile boundaries and ends on them or
+    at the array's end (it is then made of whole stored inner chunks, what
+    :meth:`Array.read_tiles` reads); else None."""
+    if len(tile) != len(box):
+        return None
+    grid = []
+    for (a, b), t, n in zip(box, tile, shape):
+        if a % t or (b % t and b != n):
+            return None
+        grid.append(-(-b // t) - a // t)
+    return tuple(grid)
 
 
 class Array(abc.ABC):
