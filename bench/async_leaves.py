@@ -79,11 +79,16 @@ def zarrckpt_save(sd: dict, path: str) -> dict:
             **{f"phase_{k}": v for k, v in report["seconds"].items() if k in ("plan", "stage")}}
 
 
+def dcp_start(sd: dict, path: str, stager):
+    """DCP's async_save; returns the future of the whole save."""
+    fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=4), async_stager=stager)
+    return getattr(fut, "upload_completion", fut)
+
+
 def dcp_save(sd: dict, path: str, stager) -> dict:
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=4), async_stager=stager)
+    fut = dcp_start(sd, path, stager)
     t1 = time.perf_counter()
-    fut = getattr(fut, "upload_completion", fut)
     fut.result()
     return {"blocked": t1 - t0, "staged": t1 - t0, "total": time.perf_counter() - t0}
 
@@ -191,6 +196,96 @@ def trace(sd: dict, where: str, n: int) -> dict:
     return out
 
 
+_MATMULS: list[int] = []
+
+
+def step_delay(sd: dict, where: str, n: int, stager, reps: int) -> dict:
+    """How much longer one training step is when it starts with a save (CUDA): the step is a
+    fixed device workload (bf16 matmuls, ~50 ms) then an in-place update of every state
+    tensor (the optimizer step, which must not run before the copies end); the delay is the
+    step's wall time with the save minus without it (median of ``reps``, same process).
+    zarrckpt default: the current stream waits for the side-stream copies; ``overlap``: the
+    matmuls run during the copies and only the update waits (``wait_staged(stream)``); DCP:
+    its cached stager copies before returning."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):  # warm up (cuBLAS handles, kernels)
+        torch.mm(a, a, out=b)
+    k = 1
+    while k < 4096:  # matmuls for ~50 ms, once per process (every leaf count gets the same step)
+        if _MATMULS:
+            k = _MATMULS[0]
+            break
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.mm(a, a, out=b)
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 > 0.05:
+            _MATMULS.append(k)
+            break
+        k *= 2
+    tensors = list(sd["model"].values())
+
+    def step(before=None, after=None) -> dict:
+        """One step; its wall time and where it went: host seconds until the save call
+        returned and until the update was queued, device seconds from the call to the
+        matmuls' start, their end and the update's end (CUDA events on the current stream)."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        ev[0].record()  # the device is idle: the call's time on its clock
+        t0 = time.perf_counter()
+        fut = before() if before else None
+        t1 = time.perf_counter()
+        ev[1].record()
+        for _ in range(k):
+            torch.mm(a, a, out=b)
+        ev[2].record()
+        if after:
+            after(fut)
+        torch._foreach_mul_(tensors, 1.0001)
+        ev[3].record()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        rec = {"wall": time.perf_counter() - t0, "host_call": t1 - t0, "host_queued": t2 - t0,
+               **{name: ev[0].elapsed_time(e) / 1e3 for name, e in zip(("dev_mm_start", "dev_mm_end", "dev_end"),
+                                                                        ev[1:])}}
+        if fut is not None:
+            fut.result()
+        return rec
+
+    out: dict = {"matmuls": k}
+    kinds = {
+        "zarrckpt": (lambda p: (lambda: zarrckpt.async_save(sd, p)), None),
+        "zarrckpt_overlap": (lambda p: (lambda: zarrckpt.async_save(sd, p, overlap=True)),
+                             lambda f: f.wait_staged(torch.cuda.current_stream())),
+        "dcp_cached_stager": (lambda p: (lambda: dcp_start(sd, p, stager)), None),
+    }
+    delays: dict = {name: [] for name in kinds}
+    for rep in range(reps + 1):
+        names = list(kinds) if rep % 2 == 0 else list(kinds)[::-1]
+        for name in names:
+            path = os.path.join(where, f"step_{name}_{n}_{rep}")
+            shutil.rmtree(path, ignore_errors=True)
+            base = step()
+            before, after = kinds[name]
+            with_save = step(before(path), after)
+            if rep:
+                delays[name].append({"delay": with_save["wall"] - base["wall"],
+                                     **{f"base_{x}": v for x, v in base.items()}, **with_save})
+            shutil.rmtree(path, ignore_errors=True)
+    for name, d in delays.items():
+        out[name] = {x: statistics.median(r[x] for r in d) for x in d[0]}
+        out[name]["raw"] = d
+    print(f"step delay {n} leaves ({k} matmuls; median of {reps}, ms): " + "; ".join(
+        f"{name} {out[name]['delay'] * 1e3:.1f} (call {out[name]['host_call'] * 1e3:.1f}, queued "
+        f"{out[name]['host_queued'] * 1e3:.1f}, device: matmuls {out[name]['dev_mm_start'] * 1e3:.1f}-"
+        f"{out[name]['dev_mm_end'] * 1e3:.1f}, end {out[name]['dev_end'] * 1e3:.1f}; without a save "
+        f"{out[name]['base_dev_end'] * 1e3:.1f})" for name in delays))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -202,6 +297,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile 5 more later saves per leaf count")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: time 5 more later saves on the device (side stream) and the same copies alone")
+    ap.add_argument("--step", action="store_true",
+                    help="CUDA: how much longer a training step is when it starts with a save")
     a = ap.parse_args()
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -234,6 +331,8 @@ def main() -> None:
                 shutil.rmtree(path, ignore_errors=True)
         if a.trace and device.type == "cuda":
             results.setdefault("trace", {})[n] = trace(sd, a.dir, n)
+        if a.step and device.type == "cuda":
+            results.setdefault("step_delay", {})[n] = step_delay(sd, a.dir, n, stager, a.reps)
         if a.profile:
             import cProfile
             import pstats

@@ -357,7 +357,14 @@ def loader(s: str, target, path: str, no_dist: bool = False):
 
     def run():
         rep: dict = {}
-        zarrckpt.load(target, path, report=rep)
+        prof = os.environ.get("ZB_PROFILE_LOAD")  # a diagnostic: cProfile each load of rank 0
+        if prof and (not dist.is_initialized() or dist.get_rank() == 0):
+            import cProfile
+            pr = cProfile.Profile()
+            pr.runcall(zarrckpt.load, target, path, report=rep)
+            pr.dump_stats(f"{prof}.{time.time_ns()}")
+        else:
+            zarrckpt.load(target, path, report=rep)
         return {"report": rep}
     return run
 

@@ -23,6 +23,7 @@ import concurrent.futures as cf
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -207,6 +208,8 @@ def main() -> None:
     ap.add_argument("--raw-threads", default="1,8,16,32,64")
     ap.add_argument("--only-loads", action="store_true", help="skip the file-system probe")
     ap.add_argument("--defaults-only", action="store_true", help="DCP and zarrckpt's defaults only")
+    ap.add_argument("--io-threads", default="", help="also load with these file_io_concurrency values (1,4,...)")
+    ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before every load (root)")
     a = ap.parse_args()
     sd, p, device, zpath, dpath = saved_pair(a.shape, a.state_gb, a.dir)
     cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
@@ -246,9 +249,12 @@ def main() -> None:
         "1 GiB in flight": {"load": {"max_inflight_bytes": 1 << 30}},
         "8 MiB tasks, 1 GiB in flight": {"piece": 8 << 20, "load": {"max_inflight_bytes": 1 << 30}},
     } if runs and not a.defaults_only else {"zarrckpt": {}}
+    for n in filter(None, a.io_threads.split(",")):
+        variants[f"{n} io threads"] = {"load": {"storage": zarrckpt.StorageOptions(file_io_concurrency=int(n))}}
     times: dict[str, list[float]] = {"dcp": [], **{k: [] for k in variants}}
     per_load: dict[str, list[dict]] = {}  # zarrckpt: each load's phases and garbage-collector time
     gc_passes: list[tuple[int, float]] = []
+    cpu_s: dict[str, list[float]] = {}  # this process's CPU seconds (every thread) per load
     gc_start: list[float] = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -260,10 +266,14 @@ def main() -> None:
     for rep in range(a.reps):
         names = list(times) if rep % 2 == 0 else list(times)[::-1]
         for name in names:
+            if a.drop_caches and rank == 0:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
             dist.barrier()
             if cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             if name == "dcp":
                 dcp.load(sd, storage_reader=dcp.FileSystemReader(dpath))
             else:
@@ -279,11 +289,14 @@ def main() -> None:
                      "gc_s": round(sum(d for _, d in gc_passes), 3), "gc_gen2": sum(1 for g, _ in gc_passes if g == 2)})
             if cuda:
                 torch.cuda.synchronize()
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_s.setdefault(name, []).append(round(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime, 3))
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[name].append(round(float(dt), 3))
     out["loads"] = times
     out["per_load"] = per_load
+    out["cpu_s"] = cpu_s
     out["speedup_median"] = {k: round(statistics.median(times["dcp"]) / statistics.median(v), 2)
                              for k, v in times.items()}
     trace = Trace()

@@ -59,7 +59,7 @@ from ..format import documents as fmt
 from ..storage.inflight import InFlight
 from ..errors import SaveFailedError, ZarrckptError
 from ..format.layout import slices
-from ..storage import Storage, translate_error
+from ..storage import Storage, plain_body, translate_error
 
 __all__ = ["ArrayWrite", "ChunkWrite", "ChunkWriter", "Group", "OneProcess", "SMALL_CHUNK_BYTES", "abandon",
            "begin", "fast_chunk_shape", "finish", "new_identity", "write_arrays"]
@@ -164,9 +164,15 @@ class ChunkWriter:
     most ``max_inflight_bytes`` in flight (on object stores the first failure stops the
     rest). Leaving a ``with`` block by an exception waits for every write issued."""
 
+    # small objects (documents, plain chunks) go to local files in batches of these bounds
+    BATCH_FILES = 64
+    BATCH_BYTES = 4 << 20
+
     def __init__(self, store: Storage, max_inflight_bytes: int) -> None:
         self.store = store
         self.bytes_written = 0
+        self._batch: list | None = [] if getattr(store, "puts_files", False) else None
+        self._batch_bytes = 0
         self._pending = InFlight(max_inflight_bytes, op="write", abort=store.is_object_store)
         self._fast: dict[str, tuple[int, ...] | None] = {}
         self._opening: dict[str, Any] = {}  # key -> future of an array being opened
@@ -181,7 +187,25 @@ class ChunkWriter:
 
     def document(self, key: str, doc: Mapping[str, Any]) -> None:
         """Write ``<key>/zarr.json`` as its exact bytes (spec §3.1)."""
-        self._pending.add(key, self.store.put(f"{key}/zarr.json", fmt.encode_document(doc)), 0)
+        data = fmt.encode_document(doc)
+        if self._batch is not None:
+            self._later(f"{key}/zarr.json", key, data, False)
+        else:
+            self._pending.add(key, self.store.put(f"{key}/zarr.json", data), 0)
+
+    def _later(self, path: str, key: str, body: Any, crc: bool) -> None:
+        """Queue one small object for the next batch of local file writes (its bytes must
+        not change until written), sending the batch when it is full."""
+        self._batch.append((path, key, body, crc))
+        self._batch_bytes += len(body)
+        if len(self._batch) >= self.BATCH_FILES or self._batch_bytes >= self.BATCH_BYTES:
+            self._send()
+
+    def _send(self) -> None:
+        if self._batch:
+            batch, nbytes = self._batch, self._batch_bytes
+            self._batch, self._batch_bytes = [], 0
+            self._pending.add(batch[0][1], self.store.put_files(batch), nbytes)
 
     def is_fast(self, key: str, document: Mapping[str, Any], shape: tuple[int, ...]) -> bool:
         """Does a chunk of this shape of array ``key`` take the small-chunk path?"""
@@ -200,6 +224,10 @@ class ChunkWriter:
         """Write one chunk (``data`` of the box's shape and the array's dtype; it must not
         change until the write completes)."""
         if self.is_fast(key, document, data.shape):
+            if self._batch is not None:
+                self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True)
+                self.bytes_written += data.nbytes
+                return
             future = self.store.write_plain_chunk(key, index, data)
         else:
             future = self._array(key, document).write(box, data, stable=True)
@@ -218,11 +246,13 @@ class ChunkWriter:
 
     def wait(self) -> None:
         """Wait for every write issued so far; raise the first error (after all completed)."""
+        self._send()
         self._pending.wait()
 
     def finish(self) -> None:
         """Wait for every write, then make them durable (one syncfs)."""
         try:
+            self._send()
             self._pending.wait()
         finally:
             self.store.close()
@@ -230,7 +260,10 @@ class ChunkWriter:
 
     def stop(self) -> None:
         """After an error: wait for the writes in flight, ignoring theirs (object stores:
-        cancel what has not completed), and release the store's writer threads."""
+        cancel what has not completed), and release the store's writer threads. A batch not
+        yet sent is dropped."""
+        if self._batch:
+            self._batch, self._batch_bytes = [], 0
         try:
             self._pending.drain()
         finally:

@@ -36,11 +36,12 @@ from ._tensorstore import (
     translate_error,
 )
 from ._localfile import ChunkCodec, chunk_codec, inner_offset, release_buffers
-from .base import Array, Storage, tile_grid
+from .base import Array, Storage, plain_body, tile_grid
 from .memory import FaultStorage
 
 __all__ = ["Array", "ChunkCodec", "FaultStorage", "Storage", "StorageOptions", "chunk_codec", "in_memory_array",
-           "inner_offset", "io_counters", "kvstore_spec", "open_storage", "release_buffers", "status_code", "storage_error",
+           "inner_offset", "io_counters", "kvstore_spec", "open_storage", "plain_body", "release_buffers", "status_code",
+           "storage_error",
            "tile_grid", "translate_error"]
 
 

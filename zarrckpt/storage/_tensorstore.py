@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import crc32c
 import numpy as np
 import tensorstore as ts
 
-from ._localfile import LocalArray, chunk_codec
+from ._localfile import LocalArray, _pwritev_all, chunk_codec
 from ._localfile import counters as _direct_counters
 from . import base as _base
 from .base import Array, Box
@@ -307,17 +308,32 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _put_file(path: str, data: bytes, fsync: bool) -> None:
+def _put_file(path: str, data: Any, fsync: bool) -> None:
+    """Write one small object's file: ``data`` is its bytes or a list of buffers."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
     try:
-        f = open(path, "wb")
+        fd = os.open(path, flags, 0o666)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        f = open(path, "wb")
-    with f:
-        f.write(data)
+        fd = os.open(path, flags, 0o666)
+    try:
+        bufs = [b for b in (data if isinstance(data, list) else [data]) if memoryview(b).nbytes]
+        if bufs:
+            _pwritev_all(fd, bufs, 0)
         if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _put_files(root: str, items: list[tuple[str, str, Any, bool]], fsync: bool) -> None:
+    for key, array_key, body, crc in items:
+        try:
+            _put_file(os.path.join(root, key),
+                      [body, crc32c.crc32c(body).to_bytes(4, "little")] if crc else [body], fsync)
+        except OSError as e:
+            e.zarrckpt_key = array_key  # inflight.wait_all names this array
+            raise
 
 
 _RENAME_EXCHANGE = 2
@@ -464,6 +480,21 @@ class TensorStoreStorage(_base.Storage):
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="zarrckpt-put")
         return self._pool.submit(_put_file, os.path.join(path, key), data, self.options.fsync == "each")
+
+    @property
+    def puts_files(self) -> bool:
+        """:meth:`put_files` is available (a local file system)."""
+        return self.local_path is not None
+
+    def put_files(self, items: list[tuple[str, str, Any, bool]]) -> cf.Future:
+        """Local file systems: write several small objects in one task of the writer pool,
+        so a save of thousands of small arrays makes one future and a few GIL hand-offs
+        per batch rather than per object (see ``engine.save.ChunkWriter``). ``items``:
+        (key, array key, body, crc): ``crc`` appends the body's CRC-32C (spec §5.5), computed
+        in the writer thread. A failure names the array key of the object that failed."""
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="zarrckpt-put")
+        return self._pool.submit(_put_files, self.local_path, items, self.options.fsync == "each")
 
     def flush(self) -> None:
         """Local files (``fsync="end"``): one syncfs call. Object stores: a completed PUT

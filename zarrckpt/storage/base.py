@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from ._tensorstore import StorageOptions
 
-__all__ = ["Array", "Box", "Storage", "tile_grid"]
+__all__ = ["Array", "Box", "Storage", "plain_body", "tile_grid"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -125,6 +125,16 @@ class Array(abc.ABC):
 
     @abc.abstractmethod
     def _read(self, box: Box | None) -> Any: ...
+
+
+def plain_body(data: np.ndarray) -> memoryview:
+    """The bytes of one whole chunk under the ``bytes(little)`` codec (spec §5.5), without
+    a copy where ``data`` is contiguous and little-endian already: a view, so ``data`` must
+    not change until they are written."""
+    raw = np.ascontiguousarray(data)
+    if sys.byteorder != "little" and raw.dtype.itemsize > 1:  # pragma: no cover
+        raw = raw.byteswap()
+    return memoryview(raw.reshape(-1).view(np.uint8))
 
 
 class Storage(abc.ABC):
@@ -237,10 +247,7 @@ class Storage(abc.ABC):
         """Encode one whole chunk with the codec chain ``[bytes(little), crc32c]`` (spec
         §5.5) and :meth:`put` it at its key (spec §5.1): the small-chunk path of saves,
         which skips opening an array. A future."""
-        raw = np.ascontiguousarray(data)
-        if sys.byteorder != "little" and raw.dtype.itemsize > 1:  # pragma: no cover
-            raw = raw.byteswap()
-        body = raw.tobytes()
+        body = bytes(plain_body(data))
         return self.put(f"{array_key}/{chunk_key(index)}", body + crc32c.crc32c(body).to_bytes(4, "little"))
 
     # ---- listing ------------------------------------------------------------------

@@ -16,13 +16,14 @@ __all__ = ["InFlight", "wait_all"]
 
 def wait_all(futures: list[tuple[str, Any]], op: str = "read") -> None:
     """Wait for *every* (key, future) pair, then raise the first failure as a zarrckpt
-    error naming its key. Nothing is left running when this returns or raises."""
+    error naming its key (or the ``zarrckpt_key`` the error carries: a future of several
+    objects names the one that failed). Nothing is left running when this returns or raises."""
     first = None
     for key, f in futures:
         try:
             f.result()
         except Exception as e:  # noqa: BLE001
-            first = first or translate_error(e, key, op)
+            first = first or translate_error(e, getattr(e, "zarrckpt_key", key), op)
     if first is not None:
         raise first
 
@@ -122,4 +123,4 @@ class InFlight:
         ``with`` block then cancels and waits for the rest)."""
         if self._failed is not None:
             key, error = self._failed
-            raise translate_error(error, key, self.op)
+            raise translate_error(error, getattr(error, "zarrckpt_key", key), self.op)
