@@ -752,21 +752,25 @@ def spec_rank_state(rank: int, same: bool) -> dict:
 
 def rank_save_logging_puts(rank, world, path, same):
     """Save ``spec_rank_state`` and return the storage keys this rank put (zarr.json files
-    other than the root, and small chunks)."""
+    other than the root, and small chunks), one by one or in batches of local files."""
     from zarrckpt.storage import _tensorstore
 
     log = []
-    real_put = _tensorstore.TensorStoreStorage.put
+    real_put, real_put_files = _tensorstore.TensorStoreStorage.put, _tensorstore.TensorStoreStorage.put_files
 
     def put(self, key, data):
         log.append(key)
         return real_put(self, key, data)
 
-    _tensorstore.TensorStoreStorage.put = put
+    def put_files(self, items):
+        log.extend(key for key, *_ in items)
+        return real_put_files(self, items)
+
+    _tensorstore.TensorStoreStorage.put, _tensorstore.TensorStoreStorage.put_files = put, put_files
     try:
         zarrckpt.save(spec_rank_state(rank, same), path, pack_bytes=64 << 10)  # C.3, still as specified
     finally:
-        _tensorstore.TensorStoreStorage.put = real_put
+        _tensorstore.TensorStoreStorage.put, _tensorstore.TensorStoreStorage.put_files = real_put, real_put_files
     return log
 
 
