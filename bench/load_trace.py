@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--only-loads", action="store_true", help="skip the file-system probe")
     ap.add_argument("--defaults-only", action="store_true", help="DCP and zarrckpt's defaults only")
     ap.add_argument("--io-threads", default="", help="also load with these file_io_concurrency values (1,4,...)")
+    ap.add_argument("--shared-reads", action="store_true", help="also load with shared_reads=True")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before every load (root)")
     a = ap.parse_args()
     sd, p, device, zpath, dpath = saved_pair(a.shape, a.state_gb, a.dir)
@@ -249,6 +250,8 @@ def main() -> None:
         "1 GiB in flight": {"load": {"max_inflight_bytes": 1 << 30}},
         "8 MiB tasks, 1 GiB in flight": {"piece": 8 << 20, "load": {"max_inflight_bytes": 1 << 30}},
     } if runs and not a.defaults_only else {"zarrckpt": {}}
+    if a.shared_reads:
+        variants["shared reads"] = {"load": {"shared_reads": True}}
     for n in filter(None, a.io_threads.split(",")):
         variants[f"{n} io threads"] = {"load": {"storage": zarrckpt.StorageOptions(file_io_concurrency=int(n))}}
     times: dict[str, list[float]] = {"dcp": [], **{k: [] for k in variants}}

@@ -164,8 +164,10 @@ class ChunkWriter:
     most ``max_inflight_bytes`` in flight (on object stores the first failure stops the
     rest). Leaving a ``with`` block by an exception waits for every write issued."""
 
-    # small objects (documents, plain chunks) go to local files in batches of these bounds
-    BATCH_FILES = 64
+    # small objects (documents, plain chunks) go to local files in batches of these bounds:
+    # 16 files keep the 4 writer threads busy from 64 objects on (latency-bound file systems)
+    # and cost what 64 do (BENCHMARKS.md)
+    BATCH_FILES = 16
     BATCH_BYTES = 4 << 20
 
     def __init__(self, store: Storage, max_inflight_bytes: int) -> None:
