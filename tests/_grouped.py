@@ -73,7 +73,8 @@ N_PLAIN = 10  # small plain leaves beside them
 
 def many_small(rank: int, world: int, path: str) -> dict:
     """Save 40 small-shard DTensors with grouped chunks, then load them back: the chunk
-    files of the checkpoint, and the zarr.json documents this rank read during the load."""
+    files of the checkpoint, the zarr.json documents this rank read during the load, and
+    the files below the checkpoint it made a metadata call (``os.stat``) on."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -105,12 +106,22 @@ def many_small(rank: int, world: int, path: str) -> dict:
         reads.append(key)
         return real_get(self, key)
 
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(p, *a, **k):
+        if str(p).startswith(str(path)):
+            stats.append(os.path.relpath(p, path))
+        return real_stat(p, *a, **k)
+
     cls.read_bytes, cls.get = read_bytes, get
+    os.stat = counting_stat
     try:
         target = state(True)
         zarrckpt.load(target, path)
     finally:
         cls.read_bytes, cls.get = real_bytes, real_get
+        os.stat = real_stat
     for i in range(N_SMALL):
         g = torch.Generator().manual_seed(i)
         want = torch.randn(32 * world, 64, generator=g).chunk(world)[rank]
@@ -119,7 +130,7 @@ def many_small(rank: int, world: int, path: str) -> dict:
         assert torch.equal(target["model"][f"norm{i}"], torch.full((64,), float(i))), i
     files = [os.path.relpath(f, path) for f in glob.glob(os.path.join(path, "**"), recursive=True)
              if os.path.isfile(f)]
-    return {"documents_read": [k for k in reads if k.endswith("zarr.json")], "files": len(files),
+    return {"documents_read": [k for k in reads if k.endswith("zarr.json")], "files": len(files), "stats": stats,
             "chunk_files": sum("/c/" in f or f.endswith("/c") for f in files)}
 
 

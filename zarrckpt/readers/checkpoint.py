@@ -48,6 +48,7 @@ from ..storage.inflight import wait_all
 from .lazy import LazyArray, checked_read, describe, format_bytes
 from ..errors import CheckpointChangedError, CheckpointNotFoundError, FormatError, MissingKeysError
 from ..storage import Array, Storage, StorageOptions, in_memory_array, open_storage, storage_error, translate_error
+from ..storage._localfile import LocalArray, file_type
 
 __all__ = ["Checkpoint", "CheckpointView", "LazyArray", "open_checkpoint"]
 
@@ -433,10 +434,10 @@ class Checkpoint(CheckpointView):
                 continue
             if "array" not in node:
                 raise KeyError(f"{k!r} is a value, not an array")
-            self._check_files(k, k)
             if self.info.consolidated is not None:  # one read of the root was all (spec §6.7)
                 self._arrays[k] = self._parse_entry(k, k, pack=False)
                 continue
+            self._check_document(f"{k}/zarr.json", f"array {k!r}: zarr.json")
             futures.append((k, self.storage.get(f"{k}/zarr.json")))
         for k, f in futures:
             self._arrays[k] = self._parse_array(k, k, _result_bytes(f, f"{self.url}/{k}/zarr.json"),
@@ -458,14 +459,21 @@ class Checkpoint(CheckpointView):
 
     def _read_document(self, key: str, what: str) -> tuple[bytes | None, bytes]:
         """(the document's bytes or None, their storage generation)."""
+        self._check_document(key, f"{self.url}: {what} {key}")
+        return self.storage.read_bytes(key)
+
+    def _check_document(self, key: str, what: str) -> None:
+        """Local file systems: a document about to be read is a regular file (spec §3.2)."""
         local = self.storage.local_path
         if local is not None:
-            _require_regular(os.path.join(local, key), f"{self.url}: {what} {key}", missing_ok=True)
-        return self.storage.read_bytes(key)
+            _require_regular(os.path.join(local, key), what, missing_ok=True)
 
     def _check_files(self, path: str, key: str) -> None:
         """Local file systems: ``<path>/zarr.json`` and every chunk file of the array must be
-        regular files (a FIFO or a device would hang or never end a read)."""
+        regular files (a FIFO or a device would hang or never end a read). Arrays read
+        through TensorStore, which opens chunk files itself, and ``verify`` walk them all
+        here; the direct reader checks each chunk file it opens instead
+        (``LocalArray._open_chunk``), so a load makes no metadata call per array."""
         local = self.storage.local_path
         if local is None or path in self._checked_files:
             return
@@ -486,7 +494,7 @@ class Checkpoint(CheckpointView):
                 with os.scandir(p) as it:
                     stack.extend(e.path for e in it)
             elif not stat.S_ISREG(st.st_mode):
-                raise FormatError(f"array {key!r}: {p} is not a regular file ({_file_type(st.st_mode)}); "
+                raise FormatError(f"array {key!r}: {p} is not a regular file ({file_type(st.st_mode)}); "
                                   "a chunk must be a regular file")
         self._checked_files.add(path)
 
@@ -534,9 +542,12 @@ class Checkpoint(CheckpointView):
         if array is None:
             info = self._info_at(path)
             try:
-                array = self._handles[path] = self.storage.open_for_read(path, info.metadata).result()
+                array = self.storage.open_for_read(path, info.metadata).result()
             except Exception as e:  # noqa: BLE001
                 raise translate_error(e, path) from e
+            if not isinstance(array, LocalArray):  # TensorStore opens the chunk files itself
+                self._check_files(path, path)
+            self._handles[path] = array
         return array
 
     def _pack_info(self, path: str, leaf: str | None = None) -> fmt.ArrayInfo:
@@ -547,7 +558,6 @@ class Checkpoint(CheckpointView):
             if path not in self._pack_paths:
                 raise KeyError(self._no_key(path))
             key = leaf or path
-            self._check_files(path, key)
             if self.info.consolidated is not None:
                 info = self._arrays[path] = self._parse_entry(key, path, pack=True)
             else:
@@ -590,6 +600,7 @@ class Checkpoint(CheckpointView):
                     handle = self.storage.open_tensorstore(key, info.metadata).result()
                 except Exception as e:  # noqa: BLE001
                     raise translate_error(e, key) from e
+                self._check_files(key, key)
             self._handles[("tensorstore", key)] = handle
         return handle
 
@@ -761,15 +772,6 @@ def _result_bytes(future: Any, where: str) -> bytes | None:
         raise storage_error(f"reading {where}", e) from e
 
 
-def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _require_regular(path: str, what: str, *, missing_ok: bool) -> None:
     """``path`` (symlinks followed) is a regular file, or absent when ``missing_ok``."""
     try:
@@ -783,7 +785,7 @@ def _require_regular(path: str, what: str, *, missing_ok: bool) -> None:
     except OSError as e:
         raise storage_error(f"{what}: cannot inspect {path}", e) from e
     if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{what} ({path}) is {_file_type(st.st_mode)}, not a regular file")
+        raise FormatError(f"{what} ({path}) is {file_type(st.st_mode)}, not a regular file")
 
 
 # ------------------------------------------------------------------ not a checkpoint

@@ -28,6 +28,7 @@ import errno
 import functools
 import math
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -39,9 +40,9 @@ import numpy as np
 
 from .base import Array, tile_grid
 from ..format import dtypes
-from ..errors import CorruptChunkError
+from ..errors import CorruptChunkError, FormatError
 
-__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "inner_offset", "release_buffers"]
+__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "file_type", "inner_offset", "release_buffers"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -211,6 +212,16 @@ def _pool(threads: int) -> cf.ThreadPoolExecutor:
 
 
 _local = threading.local()
+
+
+def file_type(mode: int) -> str:
+    """What a ``st_mode`` that is not a regular file is, in words."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
@@ -449,9 +460,18 @@ class LocalArray(Array):
         return result
 
     def _open_chunk(self, index: tuple[int, ...]) -> int:
+        """Open a chunk file for reading after checking, without opening it, that it is a
+        regular file (spec §3.2: a FIFO or a device would block or never end a read). The
+        check is made here, in the reader thread, for the files a read needs, so a load
+        makes no metadata call for chunks it does not read."""
+        path = self._path(index)
         try:
-            return os.open(self._path(index), os.O_RDONLY)
-        except FileNotFoundError:
+            mode = os.stat(path).st_mode
+            if not stat.S_ISREG(mode):
+                raise FormatError(f"{self._where(index)} ({path}) is {file_type(mode)}, not a regular file; "
+                                  "a chunk must be a regular file")
+            return os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
             raise CorruptChunkError(f"{self._where(index)} is missing from storage") from None
 
     def _table(self, fd: int, index: tuple[int, ...]) -> tuple[np.ndarray, int]:
