@@ -443,3 +443,16 @@ def test_read_tiles_of_a_shard_is_one_preadv_and_one_crc_and_names_damage(tmp_pa
         arr.read_tiles(((0, 256), (0, 512)), out).result()
     with pytest.raises(ValueError, match="tile boundaries"):
         arr.read_tiles(((0, 256), (0, 500)), out)  # not at a tile boundary nor at the end
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(1, 4)), min_size=0, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_present_count_is_the_number_of_inner_chunks_present(dims):
+    """``ChunkCodec.present_count`` (arithmetic) against ``present`` (the enumeration) for
+    every chunk of random shapes, chunk shapes and inner chunk shapes, edge chunks included."""
+    shape = tuple(n for n, _, _ in dims)
+    inner = tuple(i for _, _, i in dims)
+    chunk = tuple(c * i for _, c, i in dims)
+    codec = _localfile.ChunkCodec(shape, chunk, inner, True, np.dtype("<f4"))
+    for index in np.ndindex(*[max(1, -(-n // c)) for n, c in zip(shape, chunk)]):
+        assert codec.present_count(index) == len(codec.present(index)), (shape, chunk, inner, index)

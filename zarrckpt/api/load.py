@@ -415,7 +415,7 @@ class _Reads:
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
-            self.bytes_needed += int(np.prod([b - a for a, b in gbox])) * itemsize
+            self.bytes_needed += math.prod(b - a for a, b in gbox) * itemsize
             self.bytes_fetched += unit_elements(gbox, unit, info.shape) * itemsize
             for pg, pl in _pieces(gbox, lbox, unit, itemsize,
                                   self.piece_bytes if direct else self.stage_piece_bytes):
@@ -564,7 +564,7 @@ def _pieces(gbox, lbox, unit, itemsize: int, max_bytes: int):
     """(global box, local box) pieces of at most ~``max_bytes`` that split a region along
     its first dim spanning several read units, at unit (inner chunk) boundaries."""
     extents = [b - a for a, b in gbox]
-    total = int(np.prod(extents)) * itemsize
+    total = math.prod(extents) * itemsize
     d = next((i for i, ((a, b), u) in enumerate(zip(gbox, unit)) if b - a > u), None)
     if total <= max_bytes or d is None:
         yield gbox, lbox

@@ -100,6 +100,12 @@ class ChunkCodec:
         return tuple((c * cs + k * i, min(c * cs + (k + 1) * i, n))
                      for c, cs, k, i, n in zip(chunk_index, self.chunk, j, self.inner, self.shape))
 
+    def present_count(self, chunk_index: tuple[int, ...]) -> int:
+        """``len(self.present(chunk_index))``, by arithmetic: per dimension, the inner chunks
+        that start inside the shape."""
+        return math.prod(max(0, min(g, -(-(n - c * cs) // i))) for c, cs, g, i, n in
+                         zip(chunk_index, self.chunk, self.grid, self.inner, self.shape))
+
     def present(self, chunk_index: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Inner chunks of a chunk not wholly in its padding, in C order (the ones written)."""
         return [j for j in np.ndindex(*self.grid)
@@ -443,7 +449,7 @@ class LocalArray(Array):
         per: dict = {}
         for index, _ in piece:
             per[index] = per.get(index, 0) + 1
-        return {index for index, n in per.items() if n == len(self.codec.present(index))}
+        return {index for index, n in per.items() if n == self.codec.present_count(index)}
 
     def _read(self, box: Box | None) -> cf.Future:
         """A new array holding ``box`` (default: everything); a future of it."""
