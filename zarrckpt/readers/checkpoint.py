@@ -47,8 +47,8 @@ from ..format import tree as ztree
 from ..storage.inflight import wait_all
 from .lazy import LazyArray, checked_read, describe, format_bytes
 from ..errors import CheckpointChangedError, CheckpointNotFoundError, FormatError, MissingKeysError
-from ..storage import Array, Storage, StorageOptions, in_memory_array, open_storage, storage_error, translate_error
-from ..storage._localfile import LocalArray, file_type
+from ..storage import (Array, Storage, StorageOptions, file_type, in_memory_array, open_storage, storage_error,
+                       translate_error)
 
 __all__ = ["Checkpoint", "CheckpointView", "LazyArray", "open_checkpoint"]
 
@@ -472,8 +472,8 @@ class Checkpoint(CheckpointView):
         """Local file systems: ``<path>/zarr.json`` and every chunk file of the array must be
         regular files (a FIFO or a device would hang or never end a read). Arrays read
         through TensorStore, which opens chunk files itself, and ``verify`` walk them all
-        here; the direct reader checks each chunk file it opens instead
-        (``LocalArray._open_chunk``), so a load makes no metadata call per array."""
+        here; an array whose ``checks_files`` is true (the direct reader) checks each chunk
+        file it opens instead, so a load makes no metadata call per array."""
         local = self.storage.local_path
         if local is None or path in self._checked_files:
             return
@@ -545,7 +545,7 @@ class Checkpoint(CheckpointView):
                 array = self.storage.open_for_read(path, info.metadata).result()
             except Exception as e:  # noqa: BLE001
                 raise translate_error(e, path) from e
-            if not isinstance(array, LocalArray):  # TensorStore opens the chunk files itself
+            if not array.checks_files:  # TensorStore opens the chunk files itself
                 self._check_files(path, path)
             self._handles[path] = array
         return array

@@ -265,6 +265,8 @@ class LocalArray(Array):
     """An array whose chunk files are written and read directly (see the module docstring):
     an :class:`~zarrckpt.storage.base.Array` whose futures are ``concurrent.futures``."""
 
+    checks_files = True  # _open_chunk: each chunk file it opens
+
     def __init__(self, directory: str, codec: ChunkCodec, key: str, *, threads: int, fsync: bool) -> None:
         self.dir = directory
         self.codec = codec

@@ -80,6 +80,9 @@ class Array(abc.ABC):
     spy) sees the operations of every implementation."""
 
     key: str  # the array's key below its location, for error messages
+    # on file systems: it checks that each chunk file it opens is a regular file (spec §3.2),
+    # so readers need not check the array's files before reading it
+    checks_files: bool = False
 
     @property
     @abc.abstractmethod
