@@ -81,6 +81,28 @@ def test_xarray_open_zarr_uses_dimension_names(tmp_path):
     np.testing.assert_array_equal(bits(ds["w"].values), bits(dtypes.to_numpy(w)))
 
 
+def test_xarray_open_datatree_lists_every_array_from_the_root_alone(tmp_path):
+    """xarray's ``open_datatree(consolidated=True)`` lists every group and array, bf16
+    included, from the root's consolidated metadata: with every other ``zarr.json`` removed
+    it still finds them all and reads their values (spec §6.7)."""
+    path = tmp_path / "c"
+    sd = {"model": {"layers.0": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)},
+                    "head": torch.arange(6, dtype=torch.int32), "norm": torch.ones(3).bfloat16()}, "step": 3}
+    zarrckpt.save(sd, path)
+    removed = [os.path.join(d, "zarr.json") for d, _, fs in os.walk(path) if d != str(path) and "zarr.json" in fs]
+    for f in removed:
+        os.remove(f)
+    assert len(removed) == 6  # four arrays and two groups
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tree = xr.open_datatree(path, engine="zarr", consolidated=True)
+        assert sorted(tree["model"].data_vars) == ["head", "norm"]
+        assert sorted(tree["model/layers.0"].data_vars) == ["b", "w"]
+        assert np.array_equal(tree["model/layers.0"]["w"].values, sd["model"]["layers.0"]["w"].numpy())
+        assert np.array_equal(tree["model"]["head"].values, sd["model"]["head"].numpy())
+        assert tree["model"]["norm"].dtype.name == "bfloat16"
+
+
 def test_xarray_finds_the_engine_without_import(tmp_path):
     """Without ``import zarrckpt``: xarray.open_dataset with no engine picks zarrckpt's engine
     for a checkpoint directory (loading it registers the bf16/fp8 types, so open_zarr works
