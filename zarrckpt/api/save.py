@@ -614,8 +614,8 @@ class _Staging:
     (async saves stage one at a time: async_save's foreground lock).
 
     The first save copies leaf by leaf into the arena, in the order a walk of the state
-    finds its array leaves, and records the host views and the plans whose sources they
-    are. A later save copies into the same views, in steps of up to ``_BATCH`` bytes of the
+    finds its array leaves (the leaves later saves gather first, then the others: see
+    :meth:`first`), and records the host views and the plans whose sources they are. A later save copies into the same views, in steps of up to ``_BATCH`` bytes of the
     arena (:class:`_Step`; the first one smaller, so that the device starts early): CUDA
     leaves of up to ``_SMALL`` bytes are first gathered on the device, one fused
     ``torch._foreach_copy_`` per dtype into a device buffer laid out as their part of the
@@ -649,6 +649,7 @@ class _Staging:
         self.streams: tuple[Any, Any] = (None, None)  # (the side stream: gathers; its partner: device->host)
         self.events: list[tuple[Any, Any]] = []  # per device buffer: (gathered, copied), reused
         self.pending: list[Any] = [None, None]  # per device buffer: the end of its last device->host copy
+        self.landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # host emulation: span copies not landed yet
         self.leaf_index: list[int] = []  # per staged plan: its array leaf's index (walk order)
         self.all_plans: tuple[ArrayPlan, ...] = ()
 
@@ -661,24 +662,28 @@ class _Staging:
         if run.plan_token is not None:
             order = leaf_order(run.plan_token)
             st.leaf_index = [order[i] for i in todo]
-            walk = sorted(range(n), key=st.leaf_index.__getitem__)  # the arena in walk order
+            walk = sorted(range(n), key=st.leaf_index.__getitem__)  # the order a walk finds them
         else:
             walk = list(range(n))
         st.hosts, st.views, st.plans = [None] * n, [None] * n, [None] * n
         base = arena.base_ptr()
-        items: list[tuple[int, int, int, bool]] = []  # (arena offset, nbytes, position, gathered)
-        for k in walk:
+        # The arena: first the leaves that later saves gather on the device, then the others,
+        # each part in walk order. A step's device->host copy of its gathered leaves covers
+        # the arena span from its first to its last gathered leaf; were the other leaves
+        # interleaved (walk order: exp_avg, exp_avg_sq on the GPU, AdamW's 0-d ``step`` on
+        # the CPU ...), that copy would overwrite them with whatever the device buffer held
+        # there, after their own copy: later async saves on GPUs stored stale values.
+        gathers = {k for k in walk if isinstance(srcs[k], torch.Tensor) and cls.gathers(srcs[k], arena)}
+        for k in [k for k in walk if k in gathers] + [k for k in walk if k not in gathers]:
             src, p = srcs[k], run.arrays[todo[k]]
             if isinstance(src, torch.Tensor):
                 host, view = arena.stage(src)
-                size = src.numel() * src.element_size()
-                gathered = (src.device.type == "cuda" and arena.pinned and 0 < size <= cls._SMALL
-                            and src.is_contiguous())
-                items.append((host.data_ptr() - base, size, k, gathered))
             else:
                 host = view = np.array(src, copy=True)
                 st.values.append(k)
             st.hosts[k], st.views[k], st.plans[k] = host, (p.key, view), with_source(p, host)
+        items = [(st.hosts[k].data_ptr() - base, srcs[k].numel() * srcs[k].element_size(), k, k in gathers)
+                 for k in walk if isinstance(srcs[k], torch.Tensor)]
         st.arena, st.used = arena.identity(), arena.used()
         if run.plan_token is not None:
             staged = dict(zip(todo, st.plans))
@@ -688,18 +693,29 @@ class _Staging:
         st._steps(items)
         return st
 
+    @classmethod
+    def gathers(cls, src: torch.Tensor, arena: Arena) -> bool:
+        """Is ``src`` gathered on the device by later saves (a small contiguous CUDA leaf,
+        staged into page-locked memory)? Decided once, by the first save's staging."""
+        return (src.device.type == "cuda" and arena.pinned and src.is_contiguous()
+                and 0 < src.numel() * src.element_size() <= cls._SMALL)
+
     def _steps(self, items: list[tuple[int, int, int, bool]]) -> None:
-        """Cut the staged leaves (arena order) into steps of at most ``_BATCH`` bytes of arena
-        (on the CPU: about an eighth of the bytes per copy thread, so that they all work)."""
+        """Cut the staged leaves (walk order; ``(arena offset, nbytes, position, gathered)``)
+        into steps of at most ``_BATCH`` bytes (on the CPU: about an eighth of the bytes per
+        copy thread, so that they all work). The gathered leaves of a step are neighbours in
+        the arena (``first`` puts them before every other leaf), so the span its one
+        device->host copy writes holds none of the step's other leaves, nor any other step's."""
         total = sum(n for _, n, _, _ in items)
         limit = self._BATCH
-        if self.cuda is None:
+        device = self.cuda is not None or any(g for _, _, _, g in items)  # or its host emulation
+        if not device:
             self.threads = _COPY_THREADS >= 2 and len(items) >= 64 and total >= (16 << 20)
             limit = min(limit, max(total // (2 * _COPY_THREADS), 1 << 20)) if self.threads else total + 1
-        step, first, small, gathering = _Step(), 0, [], 0
+        step, taken, small, gathering = _Step(), 0, [], 0
         for off, n, k, gathered in items + [(0, 0, None, False)]:
-            if (step.direct or small) and (k is None or off + n - first > (
-                    limit if self.steps or self.cuda is None else min(limit, self._FIRST))):
+            if (step.direct or small) and (k is None or taken + n > (
+                    limit if self.steps or not device else min(limit, self._FIRST))):
                 if small:
                     step.start, step.end = small[0][0], small[-1][0] + small[-1][1]
                     groups: dict[torch.dtype, list[int]] = {}
@@ -708,11 +724,10 @@ class _Staging:
                     step.groups = [(ks, []) for ks in groups.values()]
                     step.buf, gathering = gathering % 2, gathering + 1
                 self.steps.append(step)
-                step, small = _Step(), []
+                step, small, taken = _Step(), [], 0
             if k is None:
                 break
-            if not (step.direct or small):
-                first = off
+            taken += n
             if gathered:
                 small.append((off, n, k))
             else:
@@ -723,16 +738,20 @@ class _Staging:
         """The two device buffers and each gathered leaf's view in its step's buffer (made
         once per staging); every save starts with no copy pending on them."""
         self.pending = [None, None]
+        self.landing = []
         span = max((s.end - s.start for s in self.steps if s.groups), default=0)
         if not span or self.device_bufs:
             return
-        self.streams = streams = (_copy_stream(self.cuda), _copy_stream(self.cuda, 1))
+        streams = ()
+        if self.cuda is not None:
+            self.streams = streams = (_copy_stream(self.cuda), _copy_stream(self.cuda, 1))
         for _ in range(2 if sum(1 for s in self.steps if s.groups) > 1 else 1):
-            buf = torch.empty(span, dtype=torch.uint8, device=self.cuda)
+            buf = torch.empty(span, dtype=torch.uint8, device=self.cuda or "cpu")
             for stream in streams:  # used on both: freed only after their work on it
                 buf.record_stream(stream)
             self.device_bufs.append(buf)
-        self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in self.device_bufs]
+        if self.cuda is not None:
+            self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in self.device_bufs]
         base = arena.base_ptr()
         raw = arena.raw()
         for s in self.steps:
@@ -751,7 +770,15 @@ class _Staging:
         for device->host copies of gathered leaves; CPU: on a copy thread, its future
         appended to ``copies``)."""
         hosts = self.hosts
-        if step.groups:
+        if step.groups and self.cuda is None:
+            # host emulation of gathering (tests: CI has no GPU; only a patched ``gathers``
+            # gathers CPU leaves): the span's copy lands at finish(), as late as a
+            # device->host copy on the partner stream may land
+            for ks, views in step.groups:
+                torch._foreach_copy_(views, [srcs[k] for k in ks])
+            host, device = step.spans
+            self.landing.append((host, device.clone()))
+        elif step.groups:
             gather, d2h = self.streams
             gathered, copied = self.events[step.buf]
             if self.pending[step.buf] is not None:  # the buffer's previous copy has read it
@@ -788,6 +815,9 @@ class _Staging:
         wait for the device->host copies of the partner stream (CUDA); NumPy sources."""
         for f in copies:
             f.result()
+        for host, data in self.landing:
+            host.copy_(data)
+        self.landing = []
         for ev in self.pending:
             if ev is not None:
                 torch.cuda.current_stream(self.cuda).wait_event(ev)

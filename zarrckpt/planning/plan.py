@@ -407,7 +407,9 @@ def _template(obj: Any, root: bool = True) -> tuple:
         return (1, len(obj), tuple(_template(v, False) for v in obj))
     dtensor = zdist.dtensor_type()
     if dtensor is not None and isinstance(obj, dtensor):
-        return (2, obj.shape, obj.dtype, obj.device_mesh, tuple(obj.placements))
+        # the local tensor's device too: the staging a later async save reuses decided per
+        # leaf how it is copied (gathered on its GPU, or copied straight) from it
+        return (2, obj.shape, obj.dtype, obj.device_mesh, tuple(obj.placements), obj._local_tensor.device)
     if isinstance(obj, torch.Tensor):
         return (3, type(obj), obj.shape, obj.dtype, obj.device)
     if isinstance(obj, np.ndarray):
@@ -449,7 +451,8 @@ def _match(obj: Any, t: tuple, arrays: list) -> bool:
     if kind == 2:
         dtensor = zdist.dtensor_type()
         if (dtensor is None or type(obj) is not dtensor or obj._spec.mesh is not t[3]
-                or obj._spec.placements != t[4] or obj.shape != t[1] or obj.dtype is not t[2]):
+                or obj._spec.placements != t[4] or obj.shape != t[1] or obj.dtype is not t[2]
+                or obj._local_tensor.device != t[5]):
             return False
         arrays.append(obj._local_tensor)  # what local_data takes of it
         return True
