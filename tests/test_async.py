@@ -281,8 +281,8 @@ def test_async_saves_of_ranks_holding_different_keys(tmp_path, clusters):
     assert clusters(2).run(_grouped.async_different_keys, str(tmp_path)) == [{"ok": True}] * 2
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_later_saves_copy_while_walking_the_state(tmp_path, monkeypatch, device):
     """Issue 16 item 4: a later async save whose plans and staging are reused issues its
     copies in steps while it walks the state (the first step before the walk has found

@@ -14,9 +14,9 @@ import zarrckpt
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cluster import free_port  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
+)]
 
 
 def _rank(rank: int, world: int, port: int, path: str) -> None:

@@ -55,8 +55,8 @@ def test_untile_puts_tiles_in_order_into_any_strided_target(tiling, kind, cast):
     np.testing.assert_array_equal(dst.numpy(), want.astype(dst.numpy().dtype))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_staged_loads_read_tiles_and_are_exact(tmp_path, monkeypatch, device):
     """A load through the staging arena (here: casts) reads tiles where its pieces are made
     of whole inner chunks (edge tiles with padding included), into plain and strided targets,
