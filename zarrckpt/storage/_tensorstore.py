@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno as _errno
+import functools
 import os
 import re
 import shutil
@@ -43,6 +44,11 @@ def _before_first_http_request() -> None:
 
 def kvstore_spec(url: str | os.PathLike, options: StorageOptions | None = None) -> dict[str, Any]:
     """TensorStore kvstore spec (a directory, trailing ``/``) for a checkpoint URL."""
+    return _kvstore_spec(url, options)[0]
+
+
+def _kvstore_spec(url: str | os.PathLike, options: StorageOptions | None) -> tuple[dict[str, Any], _S3Auth | None]:
+    """:func:`kvstore_spec`, and for S3 how its requests are signed (for refusals' messages)."""
     url = os.fspath(url)
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
@@ -53,9 +59,9 @@ def kvstore_spec(url: str | os.PathLike, options: StorageOptions | None = None) 
         path = os.path.expanduser(path)
         if os.path.lexists(path):  # write through a symlink, not over it
             path = os.path.realpath(path)
-        return {"driver": "file", "path": os.path.abspath(path).rstrip("/") + "/"}
+        return {"driver": "file", "path": os.path.abspath(path).rstrip("/") + "/"}, None
     if scheme == "memory":
-        return {"driver": "memory", "path": (parsed.netloc + parsed.path).strip("/") + "/"}
+        return {"driver": "memory", "path": (parsed.netloc + parsed.path).strip("/") + "/"}, None
     if scheme in ("s3", "gs"):
         if not parsed.netloc:
             raise CheckpointNotFoundError(f"{url!r} names no bucket")
@@ -65,8 +71,10 @@ def kvstore_spec(url: str | os.PathLike, options: StorageOptions | None = None) 
             "path": parsed.path.strip("/") + "/" if parsed.path.strip("/") else "",
         }
         if scheme == "s3":
-            spec.update(_s3_settings(options or StorageOptions()))
-        return spec
+            settings, auth = _s3_settings(options or StorageOptions())
+            spec.update(settings)
+            return spec, auth
+        return spec, None
     raise CheckpointNotFoundError(
         f"unsupported checkpoint URL scheme {scheme!r} in {url!r}; use a path, file://, "
         "memory://, s3:// or gs://"
@@ -81,18 +89,24 @@ def _aws_files(options: StorageOptions) -> tuple[str, str, str]:
     return profile, creds, config
 
 
-def _profile_value(path: str, profile: str, key: str, config: bool) -> str | None:
+def _profile_section(path: str, profile: str, config: bool) -> dict[str, str] | None:
+    """The settings of ``profile`` in an AWS credentials (``config=False``) or config file
+    (section ``[profile NAME]``, or ``[default]``); None where the file or section is absent."""
     import configparser
 
     if not os.path.isfile(path):
         return None
-    cp = configparser.ConfigParser()
+    cp = configparser.ConfigParser(interpolation=None)
     try:
         cp.read(path)
     except configparser.Error:
         return None
     section = profile if not config or profile == "default" else f"profile {profile}"
-    return cp.get(section, key, fallback=None)
+    return dict(cp.items(section)) if cp.has_section(section) else None
+
+
+def _profile_value(path: str, profile: str, key: str, config: bool) -> str | None:
+    return (_profile_section(path, profile, config) or {}).get(key)
 
 
 _secret_files: dict[tuple, str] = {}
@@ -116,12 +130,161 @@ def _private_file(text: str, tag: tuple) -> str:
     return path
 
 
-def _s3_settings(options: StorageOptions) -> dict[str, Any]:
-    """Endpoint, region and credentials of an S3 kvstore, found the usual way: explicit
-    ``StorageOptions`` first, then AWS_* environment variables, then the AWS config and
-    credentials files (profile ``AWS_PROFILE`` or ``default``), else anonymous. Never
-    TensorStore's "default" provider chain, which prints errors when the files are absent."""
+_TRUE = ("1", "true", "yes", "on")
+#: Profile settings through which the AWS chain gets credentials other than static keys:
+#: assume-role, credential_process (SSO helpers, vaults), SSO, web identity.
+_INDIRECT = ("role_arn", "credential_process", "credential_source", "sso_session", "sso_start_url",
+             "sso_account_id", "web_identity_token_file")
+
+
+@dataclass(frozen=True)
+class _S3Auth:
+    """How a location's requests are signed, for the message of a refusal: ``kind`` is
+    ``"anonymous"``, ``"keys"`` (StorageOptions), ``"environment"``, ``"profile"`` or
+    ``"chain"`` (TensorStore's ``default`` AWS chain); ``where`` what was used or asked
+    for; ``sources`` (chain) what of the chain is configured on this host."""
+
+    kind: str
+    where: str
+    sources: tuple[str, ...] = ()
+    profile: str = "default"
+    files: tuple[str, str] = ("", "")
+
+    def refused(self) -> str:
+        """What to tell the user when the bucket refuses (HTTP 403) these requests."""
+        if self.kind == "anonymous":
+            return (f"anonymous requests ({self.where}) were refused: the bucket does not allow "
+                    "anonymous access; drop that setting to sign requests with AWS credentials")
+        if self.kind != "chain":
+            return f"the credentials from {self.where} were refused"
+        if self.sources:
+            return (f"the credentials the AWS credential chain took from {' or '.join(self.sources)} "
+                    "were refused")
+        role = _instance_role()
+        if role:
+            return f"the credentials of this EC2 instance's instance role {role!r} were refused"
+        imds = ("disabled by AWS_EC2_METADATA_DISABLED" if _imds_disabled()
+                else "unreachable or without an instance role")
+        return ("no AWS credentials were found, so the requests were sent unsigned (anonymous) and "
+                "refused. Looked in: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                f"profile {self.profile!r} in {self.files[0]} and {self.files[1]} (AWS_PROFILE, "
+                "AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE), web identity "
+                "(AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN), container credentials "
+                f"(AWS_CONTAINER_CREDENTIALS_FULL_URI/RELATIVE_URI), the EC2 instance metadata service ({imds}). "
+                "Give credentials (StorageOptions(access_key_id=..., secret_access_key=...), the AWS_* "
+                "variables or a profile), or pass StorageOptions(anonymous=True) (AWS_NO_SIGN_REQUEST=true) "
+                "for a bucket that allows anonymous access")
+
+
+def _imds_disabled() -> bool:
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() in _TRUE
+
+
+def _instance_role() -> str | None:
+    """The instance role the EC2 instance metadata service names (IMDSv2, then v1), or
+    None where it is disabled, unreachable or names none. Asked only to explain a refusal
+    (two requests, 1 s each at most; once per process and endpoint)."""
+    if _imds_disabled():
+        return None
+    return _instance_role_at(
+        (os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or "http://169.254.169.254").rstrip("/"))
+
+
+@functools.lru_cache(maxsize=None)
+def _instance_role_at(base: str) -> str | None:
+    import urllib.error
+    import urllib.request
+
+    headers = {}
+    try:
+        req = urllib.request.Request(base + "/latest/api/token", method="PUT",
+                                     headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        with urllib.request.urlopen(req, timeout=1) as r:
+            headers["X-aws-ec2-metadata-token"] = r.read().decode()
+    except urllib.error.HTTPError:
+        pass  # IMDSv1 only
+    except (OSError, ValueError):
+        return None
+    try:
+        req = urllib.request.Request(base + "/latest/meta-data/iam/security-credentials/", headers=headers)
+        with urllib.request.urlopen(req, timeout=1) as r:
+            roles = r.read().decode().split()
+    except (OSError, ValueError):
+        return None
+    return roles[0] if roles else None
+
+
+def _s3_credentials(options: StorageOptions) -> tuple[dict[str, Any], _S3Auth]:
+    """TensorStore's ``aws_credentials`` for ``options`` and how they were chosen.
+
+    The standard AWS order: anonymous only when asked (``StorageOptions(anonymous=True)``,
+    else ``AWS_NO_SIGN_REQUEST``); explicit keys of the call; then the AWS credential chain
+    — environment keys, the profile (``profile``, ``AWS_PROFILE`` or ``default``) in the AWS
+    files (static keys, assume-role, ``credential_process``), web identity (EKS
+    service-account roles), container credentials (ECS task roles, EKS Pod Identity), the
+    EC2 instance metadata service (instance roles). A profile that is named but absent, or
+    an SSO profile (which TensorStore's chain cannot use), is an error. Where the chain's
+    first link decides (environment keys, or a profile with static keys), its TensorStore
+    provider is named directly: the same credentials, without the error lines TensorStore's
+    ``default`` chain writes to stderr for every link it finds absent."""
     profile, creds_file, config_file = _aws_files(options)
+    asked = "StorageOptions(anonymous=True)" if options.anonymous else (
+        "AWS_NO_SIGN_REQUEST" if options.anonymous is None
+        and os.environ.get("AWS_NO_SIGN_REQUEST", "").strip().lower() in _TRUE else None)
+    if asked:
+        return {"type": "anonymous"}, _S3Auth("anonymous", asked)
+    if options.access_key_id:
+        text = (f"[default]\naws_access_key_id = {options.access_key_id}\n"
+                f"aws_secret_access_key = {options.secret_access_key or ''}\n"
+                + (f"aws_session_token = {options.session_token}\n" if options.session_token else ""))
+        tag = (options.access_key_id, options.secret_access_key, options.session_token)
+        return ({"type": "profile", "profile": "default", "credentials_file": _private_file(text, tag),
+                 "config_file": _private_file("", ("empty",))},
+                _S3Auth("keys", "StorageOptions(access_key_id=...)"))
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"type": "environment"}, _S3Auth("environment", "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+    in_creds = _profile_section(creds_file, profile, False)
+    in_config = _profile_section(config_file, profile, True)
+    named = options.profile or os.environ.get("AWS_PROFILE")
+    if named and in_creds is None and in_config is None:
+        how = "StorageOptions(profile=...)" if options.profile else "AWS_PROFILE"
+        raise StorageError(f"AWS profile {profile!r} (from {how}) is in neither {creds_file} nor {config_file} "
+                           "(AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE)")
+    settings = {**(in_config or {}), **(in_creds or {})}
+    where = f"profile {profile!r} ({creds_file if in_creds else config_file})"
+    if (any(k.startswith("sso_") for k in settings)
+            and not any(k in settings for k in ("aws_access_key_id", "credential_process", "role_arn"))):
+        # aws-c-auth's chain in TensorStore 0.1.86 has no SSO provider: say so rather than
+        # send anonymous requests
+        raise StorageError(
+            f"AWS {where} is an SSO (IAM Identity Center) profile, which TensorStore's AWS library cannot "
+            f"use directly. Add a profile that gets its credentials through the AWS CLI, e.g. "
+            f"[profile {profile}-process] with credential_process = aws configure export-credentials "
+            f"--profile {profile} --format process, and use that profile")
+    if settings.get("aws_access_key_id") and not any(k in settings for k in _INDIRECT):
+        return ({"type": "profile", "profile": profile, "credentials_file": creds_file,
+                 "config_file": config_file if os.path.isfile(config_file) else _private_file("", ("empty",))},
+                _S3Auth("profile", where))
+    sources = []
+    if settings.get("aws_access_key_id") or any(k in settings for k in _INDIRECT):
+        sources.append(where)
+    if os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") and os.environ.get("AWS_ROLE_ARN"):
+        sources.append("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, AWS_ROLE_ARN)")
+    for var in ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        if os.environ.get(var):
+            sources.append(f"container credentials ({var})")
+            break
+    # TensorStore's "default" needs the profile named: left out, it looks for a profile
+    # called "" and never reads AWS_PROFILE (tensorstore 0.1.86)
+    return ({"type": "default", "profile": profile},
+            _S3Auth("chain", "the AWS credential chain", tuple(sources), profile, (creds_file, config_file)))
+
+
+def _s3_settings(options: StorageOptions) -> tuple[dict[str, Any], _S3Auth]:
+    """Endpoint, region and credentials of an S3 kvstore, found the usual way: explicit
+    ``StorageOptions`` first, then AWS_* environment variables, then the AWS config file
+    (profile ``AWS_PROFILE`` or ``default``); credentials as :func:`_s3_credentials` says."""
+    profile, _, config_file = _aws_files(options)
     out: dict[str, Any] = {}
     endpoint = (options.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
                 or os.environ.get("AWS_ENDPOINT_URL"))
@@ -129,24 +292,8 @@ def _s3_settings(options: StorageOptions) -> dict[str, Any]:
         out["endpoint"] = endpoint
     out["aws_region"] = (options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
                          or _profile_value(config_file, profile, "region", True) or "us-east-1")
-    if options.access_key_id:
-        text = (f"[default]\naws_access_key_id = {options.access_key_id}\n"
-                f"aws_secret_access_key = {options.secret_access_key or ''}\n"
-                + (f"aws_session_token = {options.session_token}\n" if options.session_token else ""))
-        tag = (options.access_key_id, options.secret_access_key, options.session_token)
-        out["aws_credentials"] = {"type": "profile", "profile": "default",
-                                  "credentials_file": _private_file(text, tag),
-                                  "config_file": _private_file("", ("empty",))}
-    elif os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        out["aws_credentials"] = {"type": "environment"}
-    elif (_profile_value(creds_file, profile, "aws_access_key_id", False)
-          or _profile_value(config_file, profile, "aws_access_key_id", True)):
-        out["aws_credentials"] = {
-            "type": "profile", "profile": profile, "credentials_file": creds_file,
-            "config_file": config_file if os.path.isfile(config_file) else _private_file("", ("empty",))}
-    else:
-        out["aws_credentials"] = {"type": "anonymous"}
-    return out
+    out["aws_credentials"], auth = _s3_credentials(options)
+    return out, auth
 
 
 @dataclass(frozen=True)
@@ -168,9 +315,21 @@ class StorageOptions:
     default retries for 15 minutes, so an unreachable endpoint would stall a save).
     S3 (each falls back to the usual AWS_* variable, then the AWS config files):
     ``endpoint`` (S3-compatible servers; AWS_ENDPOINT_URL), ``region`` (AWS_REGION),
-    ``profile`` (AWS_PROFILE), ``access_key_id``/``secret_access_key``/``session_token``
-    (explicit keys for this call; AWS_ACCESS_KEY_ID ...). Without any credentials the
-    bucket is accessed anonymously.
+    ``profile`` (AWS_PROFILE; a profile named but absent from the AWS files is an error),
+    ``access_key_id``/``secret_access_key``/``session_token`` (explicit keys for this
+    call). Without explicit keys, credentials come from the standard AWS credential chain:
+    AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY(/AWS_SESSION_TOKEN), the profile in
+    ``~/.aws/credentials`` and ``~/.aws/config`` (static keys, ``credential_process``,
+    assume-role; an SSO profile is an error: TensorStore's AWS library cannot use it, a
+    ``credential_process`` profile calling ``aws configure export-credentials`` can), web
+    identity (EKS service-account roles), container credentials (ECS
+    task roles, EKS Pod Identity), the EC2 instance metadata service (instance roles; set
+    AWS_EC2_METADATA_DISABLED=true where there is none to ask). ``anonymous=True`` sends
+    unsigned requests, for public buckets; ``None`` (default) takes it from
+    AWS_NO_SIGN_REQUEST (``true``/``yes``/``1``), ``False`` never. Where the chain finds
+    nothing, TensorStore sends unsigned requests; a bucket that refuses them fails with a
+    :class:`~zarrckpt.errors.StorageError` that says no credentials were found and where
+    they were looked for.
     """
 
     file_io_concurrency: int = 32
@@ -184,8 +343,11 @@ class StorageOptions:
     access_key_id: str | None = field(default=None, repr=False)
     secret_access_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
+    anonymous: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.anonymous and (self.access_key_id or self.profile):
+            raise ValueError("anonymous=True sends unsigned requests: give it without access_key_id or profile")
         if self.fsync not in ("end", "each", "off"):
             raise ValueError(f"fsync must be 'end', 'each' or 'off', not {self.fsync!r}")
         if self.chunk_io not in ("direct", "tensorstore"):
@@ -236,8 +398,9 @@ def status_code(exc: BaseException) -> str | None:
     return m.group(1) if m else None
 
 
-def storage_error(what: str, exc: BaseException) -> StorageError:
-    """A StorageError for an OSError or a TensorStore status, keeping ``errno``."""
+def storage_error(what: str, exc: BaseException, *, hint: str | None = None) -> StorageError:
+    """A StorageError for an OSError or a TensorStore status, keeping ``errno``; ``hint``
+    (a TensorStore status) goes before the status text."""
     if isinstance(exc, OSError):
         reason = {
             _errno.ENOSPC: "no space left on the device",
@@ -256,7 +419,7 @@ def storage_error(what: str, exc: BaseException) -> StorageError:
         "UNAUTHENTICATED": "credentials refused",
         "NOT_FOUND": "not found (a missing bucket or directory?)",
     }.get(code or "", "storage unreachable or failing" if code in _UNREACHABLE else "storage error")
-    err = StorageError(f"{what}: {reason} ({exc})")
+    err = StorageError(f"{what}: {reason}" + (f"; {hint}" if hint else "") + f" ({exc})")
     if code == "RESOURCE_EXHAUSTED":
         err.errno = _errno.ENOSPC
     return err
@@ -392,7 +555,10 @@ class TensorStoreStorage(_base.Storage):
                  spec: dict[str, Any] | None = None) -> None:
         self._url = os.fspath(url)
         self._options = options or StorageOptions()
-        self._spec = spec if spec is not None else kvstore_spec(url, self._options)
+        self._auth: _S3Auth | None = None
+        if spec is None:
+            spec, self._auth = _kvstore_spec(url, self._options)
+        self._spec = spec
         if self._spec["driver"] in ("s3", "gcs"):
             _before_first_http_request()
         self._context = self._options.context()
@@ -402,6 +568,14 @@ class TensorStoreStorage(_base.Storage):
     @property
     def url(self) -> str:
         return self._url
+
+    def _error(self, what: str, exc: BaseException) -> StorageError:
+        """:func:`storage_error`; a refusal of S3 requests also says how they were signed
+        (and, where no credentials were found, where they were looked for)."""
+        hint = None
+        if self._auth is not None and status_code(exc) in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
+            hint = self._auth.refused()
+        return storage_error(what, exc, hint=hint)
 
     @property
     def options(self) -> StorageOptions:
@@ -413,7 +587,7 @@ class TensorStoreStorage(_base.Storage):
             try:
                 self._kv = ts.KvStore.open(self._spec, context=self._context).result()
             except ValueError as e:
-                raise storage_error(f"cannot open {self.url!r}", e) from e
+                raise self._error(f"cannot open {self.url!r}", e) from e
         return self._kv
 
     def identity(self) -> dict[str, Any]:
@@ -446,28 +620,28 @@ class TensorStoreStorage(_base.Storage):
         try:
             r = self._kvstore.read(key).result()
         except ValueError as e:
-            raise storage_error(f"reading {self.url}/{key}", e) from e
+            raise self._error(f"reading {self.url}/{key}", e) from e
         return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
     def read_if_changed(self, key: str, generation: bytes) -> tuple[bytes | None, bytes] | None:
         try:
             r = self._kvstore.read(key, if_not_equal=generation).result()
         except ValueError as e:
-            raise storage_error(f"reading {self.url}/{key}", e) from e
+            raise self._error(f"reading {self.url}/{key}", e) from e
         if r.state == "unspecified":  # the same generation
             return None
         return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
     def get(self, key: str) -> cf.Future:
         return _then(self._kvstore.read(key), lambda r: bytes(r.value) if r.state == "value" else None,
-                     lambda e: storage_error(f"reading {self.url}/{key}", e) if isinstance(e, ValueError) else e)
+                     lambda e: self._error(f"reading {self.url}/{key}", e) if isinstance(e, ValueError) else e)
 
     def write_atomic(self, key: str, data: bytes, *, if_equal: bytes | None = None) -> bool:
         """TensorStore's write-then-rename (file) or conditional PUT (object stores)."""
         try:
             stamp = self._kvstore.write(key, data, if_equal=if_equal or None).result()
         except ValueError as e:
-            raise storage_error(f"writing {self.url}/{key}", e) from e
+            raise self._error(f"writing {self.url}/{key}", e) from e
         return bool(stamp.generation) or not if_equal
 
     def put(self, key: str, data: bytes) -> Any:
@@ -505,7 +679,7 @@ class TensorStoreStorage(_base.Storage):
         try:
             _syncfs(path)
         except OSError as e:
-            raise storage_error(f"making {self.url!r} durable", e) from e
+            raise self._error(f"making {self.url!r} durable", e) from e
 
     # ---- listing ------------------------------------------------------------------
 
@@ -518,7 +692,7 @@ class TensorStoreStorage(_base.Storage):
                 return not os.path.exists(path) or not os.listdir(path)
             return not self._kvstore.list(ts.KvStore.KeyRange("", "")).result()
         except (OSError, ValueError) as e:
-            raise storage_error(f"listing {self.url!r}", e) from e
+            raise self._error(f"listing {self.url!r}", e) from e
 
     def exists(self) -> bool:
         path = self.local_path
@@ -533,14 +707,14 @@ class TensorStoreStorage(_base.Storage):
                 return sorted(os.listdir(path)) if os.path.isdir(path) else []
             keys = self._kvstore.list().result()
         except (OSError, ValueError) as e:
-            raise storage_error(f"listing {self.url!r}", e) from e
+            raise self._error(f"listing {self.url!r}", e) from e
         return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys})
 
     def list_keys(self) -> list[str]:
         try:
             keys = self._kvstore.list().result()
         except ValueError as e:
-            raise storage_error(f"listing {self.url!r}", e) from e
+            raise self._error(f"listing {self.url!r}", e) from e
         return sorted(k.decode("utf-8", "replace") for k in keys)
 
     # ---- the location as a whole ------------------------------------------------
@@ -562,7 +736,7 @@ class TensorStoreStorage(_base.Storage):
             for f in futures:
                 f.result()
         except (OSError, ValueError) as e:
-            raise storage_error(f"clearing {self.url!r}", e) from e
+            raise self._error(f"clearing {self.url!r}", e) from e
 
     def make_dir(self) -> None:
         path = self.local_path
@@ -570,7 +744,7 @@ class TensorStoreStorage(_base.Storage):
             try:
                 os.makedirs(path, exist_ok=True)
             except OSError as e:
-                raise storage_error(f"creating {path!r}", e) from e
+                raise self._error(f"creating {path!r}", e) from e
 
     def child(self, name: str) -> TensorStoreStorage:
         return TensorStoreStorage(f"{self.url.rstrip('/')}/{name}", self.options)
@@ -602,7 +776,7 @@ class TensorStoreStorage(_base.Storage):
             os.makedirs(parent, exist_ok=True)
             fd = os.open(parent, os.O_RDONLY)
         except OSError as e:
-            raise storage_error(f"opening {parent!r}", e) from e
+            raise self._error(f"opening {parent!r}", e) from e
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -632,7 +806,7 @@ class TensorStoreStorage(_base.Storage):
                 old = TensorStoreStorage(aside, self.options)
             _fsync_dir(os.path.dirname(to))
         except OSError as e:
-            raise storage_error(f"moving {src!r} to {to!r}", e) from e
+            raise self._error(f"moving {src!r} to {to!r}", e) from e
         return old
 
     def _delete(self, key: str) -> None:
@@ -640,7 +814,7 @@ class TensorStoreStorage(_base.Storage):
         try:
             self._kvstore.write(key, None).result()
         except ValueError as e:
-            raise storage_error(f"deleting {self.url}/{key}", e) from e
+            raise self._error(f"deleting {self.url}/{key}", e) from e
 
     def remove(self) -> None:
         path = self.local_path
@@ -650,7 +824,7 @@ class TensorStoreStorage(_base.Storage):
                 return
             self._kvstore.delete_range(ts.KvStore.KeyRange("", "")).result()
         except (OSError, ValueError) as e:
-            raise storage_error(f"deleting {self.url!r}", e) from e
+            raise self._error(f"deleting {self.url!r}", e) from e
 
     # ---- arrays -------------------------------------------------------------
 
