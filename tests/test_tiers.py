@@ -94,7 +94,8 @@ def rank_restore(rank, world, local, persistent, extra):
     if knobs.get("_per_rank"):
         ok = ok and torch.equal(target[f"own{rank}"], _own(rank, got))
     return {"step": got, "source": rep["source"], "exact": ok, "fetched": rep.get("fetched_bytes", 0),
-            "persistent_bytes_read": rep.get("persistent_bytes_read")}
+            "persistent_bytes_read": rep.get("persistent_bytes_read"), "reason": rep.get("reason"),
+            "skipped": rep.get("skipped")}
 
 
 def _run_save(clusters, world, local, persistent, steps=(1, 2, 3, 4, 5), async_save=True, **extra):
@@ -252,6 +253,7 @@ def test_promotion_interrupted_leaves_persistent_root_as_it_was(tmp_path, how):
             assert json.load(f)["attributes"]["zarrckpt"]["state"] == "pending"
     mgr = zarrckpt.CheckpointManager(persistent)
     assert mgr.steps() == [2], mgr.steps()  # step 4 was never committed
+    mgr.close()  # its background cleaner done (it would race with the clean_leftovers below)
     assert _hashes(persistent + "/step_00000002") == {
         k[len("step_00000002/"):]: v for k, v in before.items()}
     sd = zarrckpt.load_state_dict(os.path.join(persistent, "step_00000002"))

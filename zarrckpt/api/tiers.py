@@ -61,12 +61,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import torch
 
 from ..distributed import group as zdist
 from ..engine import commit as _commit
 from ..engine import save as engine
-from ..errors import DistributedError, SaveFailedError, StorageError
+from ..errors import (CorruptChunkError, DistributedError, FormatError, LoadFailedError, SaveFailedError,
+                      StorageError)
 from ..format import documents as fmt
 from ..storage import open_storage
 from ._gc import paused
@@ -78,6 +80,9 @@ __all__ = ["Tiers", "node_name"]
 
 MANIFEST_SUFFIX = ".tier.json"
 MANIFEST_FORMAT = "zarrckpt-tier"
+DIGEST_ALGORITHM = "crc32c"  # of the key's UTF-8 bytes, then the file's bytes (spec §7.8)
+DIGEST_BLOCK = 8 << 20  # bytes read at once to compute a digest
+MAX_ATTEMPTS = 64  # sources a restore tries at most (each failed one is excluded; a safety net)
 DEFAULT_BATCH_BYTES = 64 << 20
 
 # tests: called with (relative path) before each file a promotion copies
@@ -133,6 +138,41 @@ def list_files(directory: str) -> list[tuple[str, int]]:
     return sorted(out)
 
 
+def key_digest(rel: str, data: bytes | memoryview | None = None, directory: str | None = None) -> int:
+    """The digest a manifest records for key ``rel`` (spec §7.8): CRC-32C (the checksum of
+    §5.5) of the key's UTF-8 bytes followed by the file's bytes, from ``data`` or read from
+    ``directory`` in blocks of ``DIGEST_BLOCK``. Starting from the key ties the bytes to
+    their place, and keeps the digest of a chunk file (which ends with its own CRC-32C,
+    whose CRC-32C alone is the same constant for every such file) distinct."""
+    crc = crc32c.crc32c(rel.encode("utf-8"))
+    if data is not None:
+        return crc32c.crc32c(data, crc)
+    buf = bytearray(DIGEST_BLOCK)
+    view = memoryview(buf)
+    with open(os.path.join(directory, rel), "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return crc
+            crc = crc32c.crc32c(view[:n], crc)
+
+
+def bad_keys(directory: str, entries: list[tuple[str, int]], digests: dict[str, int]) -> list[str]:
+    """The keys of ``entries`` ((key, size) pairs) that are missing under ``directory``, of
+    another size, or whose digest differs from ``digests`` (a key without a recorded digest
+    is bad: nothing says its bytes are right)."""
+    bad = []
+    for rel, size in entries:
+        try:
+            ok = (os.path.getsize(os.path.join(directory, rel)) == size and rel in digests
+                  and key_digest(rel, directory=directory) == digests[rel])
+        except OSError:
+            ok = False
+        if not ok:
+            bad.append(rel)
+    return bad
+
+
 def _read(directory: str, rel: str) -> bytes:
     with open(os.path.join(directory, rel), "rb") as f:
         return f.read()
@@ -173,6 +213,17 @@ def read_manifest(root: str, name: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT else None
+
+
+def of_run(m: dict | None, run: str) -> bool:
+    """Manifest ``m`` is one of run ``run`` (its persistent root's URL) and records the
+    digests of its keys: only such copies are restored (spec §7.8). A copy of another run
+    (the same ``local_dir`` used by a run before) or of a writer that recorded no digests is
+    never used."""
+    if m is None or m.get("run") != run:
+        return False
+    d = m.get("digests")
+    return isinstance(d, dict) and d.get("algorithm") == DIGEST_ALGORITHM and isinstance(d.get("keys"), dict)
 
 
 def valid_nodes(root: str, m: dict) -> set[str]:
@@ -561,8 +612,9 @@ class TierRun(SaveRun):
                     SaveFailedError)
         self.committed_root = views[0][1]
         # each node's files: its ranks' in rank order, each rank's as it wrote them
-        files = {nodes.names[i]: list(dict([f for r in nodes.ranks[i] for f in views[r][0]]).items())
+        files = {nodes.names[i]: list(dict([f[:2] for r in nodes.ranks[i] for f in views[r][0]]).items())
                  for i in range(len(nodes.names))}
+        digests = {f[0]: f[2] for r in range(g.size) for f in views[r][0]}
         groups = {f"{p}/zarr.json" for p in fmt.group_paths(self.all_docs)}  # every leader wrote them
         streams = []
         for i in range(len(nodes.names)):
@@ -592,8 +644,9 @@ class TierRun(SaveRun):
                 os.rename(store_dir, os.path.join(self.tiers.node_root, self.name))
                 _write_manifest(self.tiers.node_root, self.name, {
                     "format": MANIFEST_FORMAT, "step": self.step, "save_id": self.save_id,
-                    "created": self.created, "nodes": list(nodes.names), "node": nodes.names[nodes.me],
-                    "held": held, "complete": complete, "files": files, "root": self.committed_root})
+                    "run": self.tiers.run, "created": self.created, "nodes": list(nodes.names),
+                    "node": nodes.names[nodes.me], "held": held, "complete": complete, "files": files,
+                    "digests": {"algorithm": DIGEST_ALGORITHM, "keys": digests}, "root": self.committed_root})
         except BaseException as e:  # noqa: BLE001 - reported at C3
             error = e
         finally:
@@ -602,9 +655,11 @@ class TierRun(SaveRun):
         g.agree(error, f"committing the local tier copies of step {self.step}", SaveFailedError)  # C3
         self._timed("commit", t0)
 
-    def _written_files(self) -> list[tuple[str, int]]:
-        """(key, size) of every file this rank wrote into its node's directory: the
-        intermediate groups (leader), the array documents and chunks of its plans (C.4)."""
+    def _written_files(self) -> list[tuple[str, int, int]]:
+        """(key, size, digest) of every file this rank wrote into its node's directory: the
+        intermediate groups (leader), the array documents and chunks of its plans (C.4).
+        The digest (:func:`key_digest`) reads each file back once, after C2 (from the page
+        cache, or memory on ``/dev/shm``): what the manifests record is what is stored."""
         rels: list[str] = []
         if self.g.rank == self.nodes.leader:
             rels += [f"{p}/zarr.json" for p in fmt.group_paths(self.all_docs)]
@@ -613,7 +668,8 @@ class TierRun(SaveRun):
                 rels.append(f"{p.key}/zarr.json")
             rels += [f"{p.key}/{fmt.chunk_key(w.index)}" for w in p.writes]
         d = self.store.local_path
-        return [(rel, os.path.getsize(os.path.join(d, rel))) for rel in dict.fromkeys(rels)]
+        return [(rel, os.path.getsize(os.path.join(d, rel)), key_digest(rel, directory=d))
+                for rel in dict.fromkeys(rels)]
 
     def abandon(self) -> None:
         if self.g.rank == self.nodes.leader:
@@ -663,6 +719,14 @@ class Tiers:
         if self._nodes is None:
             self._nodes = find_nodes(self.g)
         return self._nodes
+
+    @property
+    def run(self) -> str:
+        """The identity of this run's tier copies: the persistent root, as its absolute real
+        path on a file system (the same run whatever the working directory or symbolic link
+        it is named by), else its URL without a trailing ``/`` (spec §7.8)."""
+        local = getattr(self.mgr.storage, "local_path", None)
+        return os.path.realpath(local) if local else self.mgr.root.rstrip("/")
 
     @property
     def node_root(self) -> str:
@@ -732,11 +796,23 @@ class Tiers:
                 self.mgr._retain()
 
     def _retain_local(self) -> None:
+        """Leader: keep this run's newest ``local_keep_last`` copies; delete the others, and
+        every copy of another run (never restored by this one; on ``/dev/shm`` they hold the
+        host's memory: a ``local_dir`` serves one run at a time)."""
         root = self.node_root
-        steps = sorted(s for s in (fmt.parse_step_name(n[:-len(MANIFEST_SUFFIX)]) for n in os.listdir(root)
-                                   if n.endswith(MANIFEST_SUFFIX)) if s is not None)
-        keep = set(steps[-self.local_keep_last:])
-        for s in steps:
+        steps, foreign = [], []
+        for n in os.listdir(root):
+            s = fmt.parse_step_name(n[:-len(MANIFEST_SUFFIX)]) if n.endswith(MANIFEST_SUFFIX) else None
+            if s is None:
+                continue
+            m = read_manifest(root, fmt.step_name(s))
+            (steps if of_run(m, self.run) else foreign).append(s)
+        keep = set(sorted(steps)[-self.local_keep_last:])
+        for s in foreign:
+            if s not in keep:
+                log.warning("zarrckpt: deleting %s/%s: a local tier copy of another run than %s", root,
+                            fmt.step_name(s), self.run)
+        for s in steps + foreign:
             if s not in keep:
                 delete_step(root, fmt.step_name(s))
         # copies that never got a manifest (a crash between the move and the manifest)
@@ -772,8 +848,10 @@ class Tiers:
                 src = os.path.join(self.node_root, run.name)
                 m = read_manifest(self.node_root, run.name)
                 me = nodes.names[nodes.me]
-                if m is None or m.get("save_id") != run.save_id or me not in valid_nodes(self.node_root, m):
+                if (m is None or m.get("save_id") != run.save_id or not of_run(m, self.run)
+                        or me not in valid_nodes(self.node_root, m)):
                     raise StorageError(f"the local copy of step {run.step} on node {me} is gone or incomplete")
+                digests = m["digests"]["keys"]
                 group_docs = {f"{p}/zarr.json" for p in fmt.group_paths(run.all_docs)} | {"zarr.json"}
                 futures = []
                 inflight = 0
@@ -782,7 +860,11 @@ class Tiers:
                         continue
                     if _promotion_hook is not None:
                         _promotion_hook(rel)
-                    futures.append(store.put(rel, _read(src, rel)))
+                    data = _read(src, rel)
+                    if key_digest(rel, data) != digests.get(rel):  # never a damaged byte into persistent
+                        raise StorageError(f"{src}/{rel} does not match its digest in the manifest of step "
+                                           f"{run.step}: the local copy is damaged; step {run.step} is not promoted")
+                    futures.append(store.put(rel, data))
                     copied += size
                     inflight += size
                     if inflight > self.batch_bytes:
@@ -817,9 +899,18 @@ class Tiers:
             self._worker.shutdown(wait=True)
 
     # ---- restore
+    #
+    # A restore tries *sources*, newest step first: a tier step (restorable from the
+    # copies of this run, fetching what a node lacks from a peer) or a committed step of the
+    # persistent root; at the same step the tiers come first. Rank 0 makes each choice from
+    # what every rank holds (one all-gather) and broadcasts it. A source found damaged (a
+    # fetched key or a copy that fails its digest, a load that fails on bad bytes) is
+    # excluded and said in ``last_restore["skipped"]``, and the next one is tried: a copy
+    # that lost a node's keys gets them from a peer's copy, else the persistent root, else
+    # an older step.
 
     def _scan(self) -> dict[int, list[tuple[str, list[str], str]]]:
-        """step -> [(save id, valid nodes, created)] of this node's manifests."""
+        """step -> [(save id, valid nodes, created)] of this node's manifests of this run."""
         root = self.node_root
         out: dict[int, list] = {}
         if not os.path.isdir(root):
@@ -829,14 +920,16 @@ class Tiers:
                 continue
             step = fmt.parse_step_name(n[:-len(MANIFEST_SUFFIX)])
             m = read_manifest(root, n[:-len(MANIFEST_SUFFIX)]) if step is not None else None
-            if m is None or int(m.get("step", -1)) != step:
+            if m is None or int(m.get("step", -1)) != step or not of_run(m, self.run):
                 continue
             out.setdefault(step, []).append((m["save_id"], sorted(valid_nodes(root, m)), m.get("created", "")))
         return out
 
-    def choose(self, step: int | None) -> dict:
-        """Every rank: the tiers' candidate steps, newest first (one all-gather). The
-        persistent root is not read here (see :meth:`_persistent_step`)."""
+    def choose(self, step: int | None, excluded: set | frozenset = frozenset()) -> dict:
+        """Every rank: the tiers' candidate steps of this run, newest first (one all-gather of
+        the leaders' manifests), less the ``excluded`` holdings ((step, save id, node index,
+        node whose keys) found damaged during this restore). The persistent root is not read
+        here (:class:`_Persistent`)."""
         g, nodes = self.g, self.nodes
         leader = g.rank == nodes.leader
         scan, error = None, None
@@ -852,7 +945,7 @@ class Tiers:
         for i in range(len(nodes.names)):
             for s, copies in (views[nodes.leader_of(i)][0] or {}).items():
                 for sid, valid, c in copies:
-                    holdings.setdefault((s, sid), {})[i] = set(valid)
+                    holdings.setdefault((s, sid), {})[i] = {m for m in valid if (s, sid, i, m) not in excluded}
                     created[(s, sid)] = c
         # newest first; restore() takes the first whose copies cover the save's nodes
         usable = []
@@ -863,63 +956,142 @@ class Tiers:
         usable.sort(reverse=True)
         return {"candidates": usable, "views": views}
 
-    def _persistent_step(self, step: int | None) -> int | None:
-        """Every rank: the persistent root's newest committed step (or ``step`` if it has
-        it), listed by rank 0 (one listing request, no document or chunk read)."""
-        g = self.g
-        persistent, error = None, None
-        try:
-            if g.rank == 0:
-                steps = self.mgr.steps()
-                persistent = (step if step in steps else None) if step is not None else (steps[-1] if steps else None)
-        except Exception as e:  # noqa: BLE001 - e.g. the persistent root unreachable: every rank raises
-            error = e
-        g.agree(error, "listing the persistent root's steps", StorageError)
-        return g.all_gather(persistent)[0]
+    def _restorable(self, choice: dict) -> tuple | None:
+        """Every rank (the same answer everywhere: it is computed from the gathered
+        manifests): the newest candidate whose copies together hold every node's keys, as
+        (step, save id, holdings, the save's nodes)."""
+        for _, s, sid, per in choice["candidates"]:
+            need = self._save_nodes(s, sid, per)  # from any manifest of that save (all name the same)
+            if need is not None and set().union(*per.values()) >= set(need):
+                return s, sid, per, need
+        return None
 
     def restore(self, state: dict, step: int | None, **load_options: Any) -> int | None:
+        """Every rank: restore ``step`` (None: the newest) from the best source (see above);
+        returns the step, or None when no source of this run holds one (nothing was
+        damaged). Sets ``last_restore`` (``source``, ``step``, ``reason``, ``skipped`` ...).
+        Raises when every source that holds a step was found damaged, and when the
+        persistent root cannot be listed while it may hold a newer step (the hint says to
+        pass the step to take the tiers' copy without it)."""
+        g = self.g
+        t0 = time.perf_counter()
+        skipped: list[dict] = []
+        excluded: set[tuple[int, str, int, str]] = set()
+        bad_persistent: set[int] = set()
+        persistent = _Persistent(self.mgr)
+        self.last_restore = None
+        for _ in range(MAX_ATTEMPTS):
+            choice = self.choose(step, excluded)
+            tier = self._restorable(choice)
+            decision, error = None, None
+            if g.rank == 0:
+                try:
+                    decision = self._decide(step, tier, persistent, bad_persistent)
+                except Exception as e:  # noqa: BLE001 - every rank raises it
+                    error = e
+            g.agree(error, "listing the persistent root's steps", StorageError)
+            decision = g.all_gather(decision)[0]  # rank 0's, everywhere
+            if decision["source"] is None:
+                if skipped:
+                    raise LoadFailedError(
+                        "no source of this run could be restored: every step found was damaged: "
+                        + "; ".join(f"{d['source']} step {d['step']}: {d['why']}" for d in skipped))
+                self.last_restore = {"source": None, "step": None, "reason": decision["reason"], "skipped": []}
+                return None
+            report: dict[str, Any] = {}
+            if decision["source"] == "persistent":
+                p = decision["step"]
+                why = self._load_persistent(state, p, report, load_options)
+                if why is not None:
+                    bad_persistent.add(p)
+                    skipped.append({"source": "persistent", "step": p, "why": why})
+                    log.warning("zarrckpt: restore: the persistent root's step %d is damaged, trying the next "
+                                "source: %s", p, why)
+                    continue
+                self.last_restore = {"source": "persistent", "step": p, "path": self.mgr.step_path(p),
+                                     "reason": decision["reason"], "skipped": skipped, "fetched_bytes": 0,
+                                     "seconds": time.perf_counter() - t0, "load": report}
+                return p
+            s, sid, per, need = tier
+            assert (s, sid) == (decision["step"], decision["save_id"])
+            done = self._from_tier(state, s, sid, per, need, excluded, report, load_options)
+            if isinstance(done, str):  # damage found and excluded
+                skipped.append({"source": "tiers", "step": s, "why": done})
+                log.warning("zarrckpt: restore: a local tier copy of step %d is damaged, trying the next "
+                            "source: %s", s, done)
+                continue
+            self.last_restore = dict(done, step=s, reason=decision["reason"], skipped=skipped,
+                                     seconds=time.perf_counter() - t0, load=report)
+            return s
+        raise LoadFailedError(f"restore gave up after {MAX_ATTEMPTS} damaged sources: {skipped[-3:]}")
+
+    def _decide(self, step: int | None, tier: tuple | None, persistent: _Persistent,
+                bad_persistent: set[int]) -> dict:
+        """Rank 0: which source to take, and why. The persistent root is listed whenever it
+        may hold a newer step than the tiers' best (no step asked for: a job that ran on
+        other hosts may have promoted newer steps), or the tiers lack the asked step; a step
+        asked for that the tiers hold needs no listing."""
+        s = tier[0] if tier is not None else None
+        if step is not None and tier is not None:
+            return {"source": "tiers", "step": s, "save_id": tier[1],
+                    "reason": f"step {step} asked for; restorable from the tiers"}
+        try:
+            p = persistent.newest(step, s, bad_persistent)
+        except StorageError as e:
+            hint = (f"; the tiers hold step {s}: pass restore(step={s}) to take it without listing the persistent "
+                    "root" if s is not None else "")
+            raise StorageError(f"cannot list the persistent root {self.mgr.root!r}, which may hold a newer step "
+                               f"than the tiers: {e}{hint}") from e
+        if p is not None:
+            why = (f"the persistent root's step {p} is newer than the tiers' newest restorable step {s}"
+                   if s is not None else f"no tier copy of this run is restorable"
+                   + (f" at step {step}" if step is not None else "")
+                   + f"; the persistent root's newest committed step is {p}")
+            return {"source": "persistent", "step": p, "save_id": None, "reason": why}
+        if tier is None:
+            return {"source": None, "step": None, "save_id": None,
+                    "reason": "no tier copy of this run is restorable and the persistent root holds no "
+                              "committed step" + (f" {step}" if step is not None else "")}
+        return {"source": "tiers", "step": s, "save_id": tier[1],
+                "reason": f"step {s} is the tiers' newest restorable step and the persistent root holds no "
+                          "newer committed step"}
+
+    def _load_persistent(self, state: dict, p: int, report: dict, load_options: dict) -> str | None:
+        """Every rank: load the persistent root's step ``p``. Returns None, or why the step
+        is damaged (every rank agrees: a damaged document or chunk), then to be skipped;
+        raises any other error."""
+        from .load import load
+
+        opts = dict(load_options)
+        opts.setdefault("storage", self.mgr.storage.options)
+        try:
+            load(state, self.mgr.storage.child(fmt.step_name(p)), process_group=self.mgr.process_group,
+                 report=report, **opts)
+            return None
+        except DistributedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every rank raised (load's agreement)
+            if not self.g.all_true(isinstance(e, (CorruptChunkError, FormatError))):
+                raise
+            return f"{type(e).__name__}: {e}"
+
+    # -- one tier step
+
+    def _from_tier(self, state: dict, s: int, sid: str, per: dict, need: list[str], excluded: set,
+                   report: dict, load_options: dict) -> dict | str:
+        """Every rank: restore step ``s`` of save ``sid`` from the tiers: fetch what each
+        node lacks (and verify it), complete the copies, load this node's copy. Returns the
+        report's fields, or why a copy was found damaged (its holdings then excluded)."""
         from .load import load
 
         g, nodes = self.g, self.nodes
-        t0 = time.perf_counter()
-        choice = self.choose(step)
-        chosen = None
-        for _, s, sid, per in choice["candidates"]:
-            # the save's nodes, from any manifest of that save (all name the same)
-            need = self._save_nodes(s, sid, per)
-            if need is not None and set().union(*per.values()) >= set(need):
-                chosen = (s, sid, per, need)
-                break
-        # The persistent root is listed only when it may hold something newer than the
-        # chosen tier step: no tier step is restorable, or a manifest names a newer step
-        # than the chosen one (its copies incomplete; it may have been promoted before the
-        # node holding it was lost). Steps reach the persistent root only from the tiers,
-        # so otherwise it holds nothing newer, and a restore from the tiers reads nothing
-        # of it (spec 7.8).
-        newest_seen = max((s for _, s, _, _ in choice["candidates"]), default=None)
-        persistent = None
-        if chosen is None or newest_seen > chosen[0]:
-            persistent = self._persistent_step(step)
-            if persistent is not None and chosen is not None and persistent > chosen[0]:
-                chosen = None
-        report: dict[str, Any] = {}
-        if chosen is None:
-            if persistent is None:
-                self.last_restore = None
-                return None
-            load_options.setdefault("storage", self.mgr.storage.options)
-            load(state, self.mgr.storage.child(fmt.step_name(persistent)), process_group=self.mgr.process_group,
-                 report=report, **load_options)
-            self.last_restore = {"source": "persistent", "step": persistent, "path": self.mgr.step_path(persistent),
-                                 "fetched_bytes": 0, "seconds": time.perf_counter() - t0, "load": report}
-            return persistent
-        s, sid, per, need = chosen
         name = fmt.step_name(s)
         # what each node lacks, and from whom (the next node in the ring that holds it);
         # a key the node holds already (an intermediate group) is not fetched
         k = len(nodes.names)
         files = self._files_of(s, sid, per)
         wanted: dict[tuple[int, int], dict[str, int]] = {}
+        owners: dict[tuple[int, int], set[str]] = {}
         for d in range(k):
             have = per.get(d, set())
             held = {rel for m in have for rel, _ in files[m]}
@@ -929,6 +1101,7 @@ class Tiers:
                 src = next((d + j) % k for j in range(1, k) if m in per.get((d + j) % k, set()))
                 bucket = wanted.setdefault((src, d), {})
                 bucket.update((rel, size) for rel, size in files[m] if rel not in held)
+                owners.setdefault((src, d), set()).add(m)
         message_bytes, lanes = g.all_gather((self.message_bytes, self.lanes_for(nodes)))[0] if wanted else (0, 1)
         streams = []
         for (src, d), bucket in sorted(wanted.items()):
@@ -937,8 +1110,6 @@ class Tiers:
         copy_dir = os.path.join(self.node_root, name)
         error = None
         fetched = 0
-        from ..errors import LoadFailedError
-
         t1 = time.perf_counter()
         if streams:
             side = g.side_group()  # gloo, whatever the caller's group is
@@ -954,6 +1125,9 @@ class Tiers:
             except BaseException as e:  # noqa: BLE001
                 error = e
             g.agree(error, f"fetching the local tier copies of step {s} from the peers", LoadFailedError)
+            damage = self._check_fetched(s, sid, need, files, per, wanted, owners, excluded, copy_dir)
+            if damage is not None:
+                return damage
         fetch_seconds = time.perf_counter() - t1
         try:
             if g.rank == nodes.leader:
@@ -961,15 +1135,129 @@ class Tiers:
         except BaseException as e:  # noqa: BLE001
             error = e
         g.agree(error, f"completing the local tier copies of step {s}", LoadFailedError)
-        plan = streams
-        source = "local" if not plan else "peers"
-        load(state, copy_dir, process_group=self.mgr.process_group, report=report, **load_options)
+        try:
+            load(state, copy_dir, process_group=self.mgr.process_group, report=report, **load_options)
+        except DistributedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every rank raised (load's agreement): damage, or not?
+            damage = self._check_copies(s, sid, need, files, excluded, copy_dir)
+            if damage is None:
+                raise  # the copies are intact: the error is not theirs (a target mismatch ...)
+            return f"loading it failed ({type(e).__name__}: {str(e)[:200]}); {damage}"
         total = sum(f for f in g.all_gather(fetched))
-        self.last_restore = {"source": source, "step": s, "path": copy_dir, "fetched_bytes": fetched,
-                             "fetched_bytes_all_nodes": total, "persistent_bytes_read": 0,
-                             "fetch_seconds": fetch_seconds, "seconds": time.perf_counter() - t0,
-                             "load": report}
-        return s
+        return {"source": "local" if not streams else "peers", "path": copy_dir, "fetched_bytes": fetched,
+                "fetched_bytes_all_nodes": total, "persistent_bytes_read": 0, "fetch_seconds": fetch_seconds}
+
+    def _my_share(self, entries: list) -> list:
+        """This rank's share of its node's ``entries`` (every ``n``-th, ``n`` the node's ranks)."""
+        ranks = self.nodes.ranks[self.nodes.me]
+        return entries[ranks.index(self.g.rank)::len(ranks)]
+
+    def _check_fetched(self, s: int, sid: str, need: list[str], files: dict, per: dict, wanted: dict,
+                       owners: dict, excluded: set, copy_dir: str) -> str | None:
+        """Every rank, after a fetch: the ranks of each receiving node verify what it received
+        against the manifest's digests, each a share. If any key is bad: the source node's
+        leader verifies those keys in its own copy and stops claiming the nodes whose keys are
+        damaged there; the holdings that supplied bad keys are excluded; the receiving
+        node's manifest claims only the nodes whose keys all arrived intact (no root, never
+        complete). Returns None (all intact), or what was found."""
+        g, nodes = self.g, self.nodes
+        digests = self._shared_manifest(s, sid, per)["digests"]["keys"]
+        mine = sorted({kv for (src, d), bucket in wanted.items() if d == nodes.me for kv in bucket.items()})
+        error, bad = None, []
+        try:
+            bad = bad_keys(copy_dir, self._my_share(mine), digests)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        g.agree(error, f"verifying the keys of step {s} fetched from the peers", LoadFailedError)
+        every = sorted({x for part in g.all_gather([(nodes.me, rel) for rel in bad]) for x in part})
+        if not every:
+            return None
+        # which (source, receiver, node whose keys) carried a bad key
+        pairs = set()
+        for d, rel in every:
+            for (src, dd), bucket in wanted.items():
+                if dd == d and rel in bucket:
+                    pairs |= {(src, d, m) for m in owners[(src, dd)] if rel in dict(files[m])}
+        try:
+            if g.rank == nodes.leader:
+                # a source: are the keys it sent damaged in its own copy?
+                sent = sorted({rel for d, rel in every for (src, dd), b in wanted.items()
+                               if src == nodes.me and dd == d and rel in b})
+                if sent:
+                    sizes = {rel: size for m in need for rel, size in files[m]}
+                    damaged = set(bad_keys(copy_dir, [(rel, sizes[rel]) for rel in sent], digests))
+                    drop = [m for m in per.get(nodes.me, set()) if damaged & {rel for rel, _ in files[m]}]
+                    if drop:
+                        self._unclaim(s, sid, drop, copy_dir)
+                # a receiver: claim the nodes whose keys all arrived intact
+                if any(d == nodes.me for (_, d) in wanted):
+                    bad_here = {rel for d, rel in every if d == nodes.me}
+                    fetched = {m for (src, d), ms in owners.items() if d == nodes.me for m in ms}
+                    ok = {m for m in fetched if not bad_here & {rel for rel, _ in files[m]}}
+                    self._claim(s, sid, sorted((per.get(nodes.me, set()) | ok)), copy_dir)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        g.agree(error, f"un-claiming the damaged copies of step {s}", LoadFailedError)
+        excluded.update((s, sid, src, m) for src, _, m in pairs)
+        shown = ", ".join(f"{rel} (from node {nodes.names[src]})" for src, _, rel in sorted(
+            {(src, d, rel) for d, rel in every for (src, dd), b in wanted.items() if dd == d and rel in b})[:5])
+        return f"{len(every)} key(s) fetched failed their digests: {shown}"
+
+    def _check_copies(self, s: int, sid: str, need: list[str], files: dict, excluded: set,
+                      copy_dir: str) -> str | None:
+        """Every rank, after a load of step ``s`` failed: each node's ranks verify their
+        node's copy (each a share of its keys, against the manifest's digests; the leader
+        its root against the manifest's). A node's copy stops claiming the nodes whose keys
+        are damaged (its root removed), and those holdings are excluded; a damaged root is
+        removed (the next attempt writes it again). Returns None (every copy intact), or
+        what was found."""
+        g, nodes = self.g, self.nodes
+        m = self._shared_manifest(s, sid, {0: set()})
+        digests = m["digests"]["keys"]
+        mine = read_manifest(self.node_root, fmt.step_name(s)) if g.rank == nodes.leader else None
+        error, bad, root_bad = None, [], False
+        try:
+            entries = sorted({x for n in need for x in map(tuple, files[n])})
+            bad = bad_keys(copy_dir, self._my_share(entries), digests)
+            if g.rank == nodes.leader:
+                try:
+                    with open(os.path.join(copy_dir, "zarr.json"), "rb") as f:
+                        root_bad = f.read() != fmt.encode_document(m["root"])
+                except FileNotFoundError:
+                    root_bad = False
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        g.agree(error, f"verifying the local tier copies of step {s}", LoadFailedError)
+        every = g.all_gather((nodes.me, bad, root_bad))
+        per_node: dict[int, set[str]] = {}
+        roots = set()
+        for i, b, r in every:
+            per_node.setdefault(i, set()).update(b)
+            if r:
+                roots.add(i)
+        if not any(per_node.values()) and not roots:
+            return None
+        error = None
+        try:
+            if g.rank == nodes.leader:
+                here = per_node.get(nodes.me, set())
+                drop = [n for n in need if here & {rel for rel, _ in files[n]}]
+                if drop and mine is not None:
+                    self._unclaim(s, sid, drop, copy_dir)
+                elif nodes.me in roots:
+                    os.unlink(os.path.join(copy_dir, "zarr.json"))
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        g.agree(error, f"un-claiming the damaged copies of step {s}", LoadFailedError)
+        found = []
+        for i, b in sorted(per_node.items()):
+            for n in need:
+                if b & {rel for rel, _ in files[n]}:
+                    excluded.add((s, sid, i, n))
+                    found.append(f"node {nodes.names[i]}'s copy of node {n}'s keys ({sorted(b)[0]} ...)")
+        found += [f"node {nodes.names[i]}'s root zarr.json (removed)" for i in sorted(roots)]
+        return "damaged: " + "; ".join(found)
 
     def _save_nodes(self, s: int, sid: str, per: dict) -> list[str] | None:
         m = self._shared_manifest(s, sid, per)
@@ -992,7 +1280,7 @@ class Tiers:
         m = None
         if g.rank == nodes.leader_of(holder):
             m = read_manifest(self.node_root, fmt.step_name(s))
-            if m is not None and m.get("save_id") != sid:
+            if m is not None and (m.get("save_id") != sid or not of_run(m, self.run)):
                 m = None
         m = g.all_gather(m)[nodes.leader_of(holder)]
         cache[key] = m
@@ -1000,10 +1288,10 @@ class Tiers:
 
     def _unclaim(self, s: int, sid: str, fetching: list[str], copy_dir: str) -> None:
         """Leader, before its node fetches ``fetching`` into its copy of step ``s`` of save
-        ``sid``: a copy of another save of that step is deleted; a manifest of this save that lists any of them as held (their keys are damaged: a key
-        missing or of another size) is rewritten without them, and the copy's root removed,
-        so that a fetch cut short (files written in place, at their final sizes) leaves a
-        copy that does not claim them."""
+        ``sid`` (or once their keys in it are found damaged): a copy of another save of that
+        step is deleted; a manifest of this save that lists any of them as held is rewritten
+        without them, and the copy's root removed, so that a fetch cut short (files written in
+        place, at their final sizes) leaves a copy that does not claim them."""
         m = read_manifest(self.node_root, fmt.step_name(s))
         if m is not None and m.get("save_id") != sid:  # a copy of another save of this step:
             delete_step(self.node_root, fmt.step_name(s))  # replaced by the one fetched
@@ -1017,9 +1305,20 @@ class Tiers:
         _write_manifest(self.node_root, fmt.step_name(s), dict(
             m, held=sorted(set(m["held"]) - set(fetching)), complete=False))
 
+    def _claim(self, s: int, sid: str, held: list[str], copy_dir: str) -> None:
+        """Leader, after a fetch that brought damaged keys: a manifest (never complete, no
+        root) claiming ``held``, the nodes whose keys the copy holds intact, once they are
+        durable."""
+        m = self._shared_manifest(s, sid, {0: set()})
+        if not held or not os.path.isdir(copy_dir):
+            return
+        _sync(copy_dir)
+        _write_manifest(self.node_root, fmt.step_name(s), dict(
+            m, node=self.nodes.names[self.nodes.me], held=sorted(held), complete=False))
+
     def _complete_copy(self, s: int, sid: str, need: list[str], files: dict, had: set[str], copy_dir: str) -> None:
-        """Leader: the node's copy now holds every node's files: sync, write the committed
-        root and a manifest that says so."""
+        """Leader: the node's copy now holds every node's files (fetched ones verified by
+        their digests): sync, write the committed root and a manifest that says so."""
         m = self._shared_manifest(s, sid, {0: set()})
         if set(had) >= set(need) and os.path.exists(os.path.join(copy_dir, "zarr.json")):
             return  # complete already
@@ -1032,3 +1331,33 @@ class Tiers:
         _sync(copy_dir)
         mine = dict(m, node=self.nodes.names[self.nodes.me], held=sorted(need), complete=True)
         _write_manifest(self.node_root, fmt.step_name(s), mine)
+
+
+class _Persistent:
+    """Rank 0's view of the persistent root during one restore: one listing at most, and
+    the roots of the steps it names read newest first, only as far as needed (usually
+    none, or one)."""
+
+    def __init__(self, mgr: Any) -> None:
+        self.mgr = mgr
+        self.names: dict[int, str] | None = None
+        self.states: dict[int, str] = {}
+
+    def newest(self, step: int | None, floor: int | None, exclude: set[int]) -> int | None:
+        """The newest committed step (only ``step`` when given) above ``floor``, not in
+        ``exclude``; None if there is none. A root that cannot be read raises (§7.7: it may
+        be the newest step)."""
+        if self.names is None:
+            self.names = {}
+            for n in self.mgr._children():
+                s = fmt.parse_step_name(n)
+                if s is not None:
+                    self.names[s] = n
+        for s in sorted(self.names, reverse=True):
+            if (step is not None and s != step) or s in exclude or (floor is not None and s <= floor):
+                continue
+            if s not in self.states:
+                self.states[s] = self.mgr._root_state(self.names[s])[0]
+            if self.states[s] == "committed":
+                return s
+        return None
