@@ -881,6 +881,31 @@ def _abandon(feed: _Feed | None) -> None:
             log.debug("zarrckpt: waiting for the staging copies after an error failed", exc_info=True)
 
 
+# ---- What is kept from one save or load for the next, what it assumes, what drops it ----
+#
+# _STAGED (the last async save's _Staging): its host views into the arena, the plans whose
+#   sources they are, its steps (which leaves are gathered on the device, which copied
+#   straight) and two device buffers. Assumes: the same plans (token: plan.py's _STATES
+#   entry, whose signature covers key paths, types, shapes, dtypes, devices, meshes and
+#   placements), the same list of staged plans (``todo``), the same arena buffer
+#   (``Arena.identity``). Dropped: another token or todo (stage() stages afresh), the arena
+#   reallocated (reserve_staging() growing it, release_staging()), an error while staging,
+#   ranks holding different plain leaves (restrict_and_stage), forget_staging(). The copies
+#   of a later save always read the leaves its own walk found (replaced tensor objects
+#   included); the arena's layout keeps each gathered span free of other leaves (first()).
+#   Tests: test_staging_reuse.py (all of these, with gathering emulated on the host),
+#   tests/gpu/ (the same on GPUs).
+# _PLAIN_DIGESTS: the keys, shapes and dtypes of a token's plain arrays, by the token
+#   itself (id() checked against the object kept); cleared past 64.
+# The arenas (distributed/staging.py): the async one is reused while large enough and its
+#   identity names the buffer; the streaming one is lent to one load or sync save at a
+#   time (a concurrent one gets a temporary arena), reset before each use, and a load
+#   reuses a half only after that half's device copies have completed (api/load.py
+#   _Reads._switch). Device buffers of a load (_Reads.scratch) live for that load only.
+# Read buffers (storage/_localfile.py _RUN_BUFFERS): handed to one read at a time, given
+#   back after it; content never outlives the read that filled it.
+# Copy streams (_copy_streams): per device, stateless between saves; every save makes its
+#   side stream wait for the work queued on the current stream before its first copy.
 _STAGED: _Staging | None = None
 _PLAIN_DIGESTS: dict[int, tuple[Any, bytes]] = {}
 _PLAIN_KINDS = ("tensor", "ndarray", "bytes", "bytesio")

@@ -367,7 +367,16 @@ def local_view(leaf: Any) -> Any:
 
 
 # The previous save's plans per (group, rank, options): (signature, plans without sources,
-# (plan index, array-leaf index) pairs). See plan_state.
+# (plan index, array-leaf index) pairs, template). See plan_state.
+#
+# Assumes: a plan is a function of what the signature records per leaf (key path, type,
+# shape, dtype, device, and for DTensors the mesh object, placements and the local tensor's
+# device) and of the group's ranks, this rank and the options. Invalidated: a state whose
+# signature (plan_state) or template (resolve_reusing: one walk, same compares) differs in
+# any of those, another group or options (another key), more than 16 keys (cleared). The
+# entry is also the token that api/save.py's staging record is kept by: a new entry is new
+# staging. Tests: test_async.py (test_later_saves_reuse_the_plans_and_follow_every_change),
+# test_staging_reuse.py, tests/gpu (a leaf moved from the CPU to the GPU between saves).
 _STATES: dict[tuple, tuple] = {}
 
 
@@ -379,7 +388,8 @@ def _signature(leaves: list[tuple[tuple, Any]]) -> tuple | None:
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if dtensor is not None and isinstance(leaf, dtensor):
-                out.append((path, 1, leaf.shape, leaf.dtype, leaf.device_mesh, leaf.placements))  # the mesh itself: held, never confused by id
+                out.append((path, 1, leaf.shape, leaf.dtype, leaf.device_mesh, leaf.placements,  # the mesh itself: held, never confused by id
+                            leaf._local_tensor.device))  # async staging decided per device how to copy
                 continue
             if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
                 return None  # a ShardedTensor, or a tensor subclass: plan it afresh
