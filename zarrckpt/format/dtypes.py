@@ -19,8 +19,8 @@ from ..errors import UnsupportedValueError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "ZARR_NAMES", "by_numpy", "by_torch", "by_zarr", "fill_value", "from_numpy", "to_numpy",
-           "torch_dtype"]
+__all__ = ["DType", "ZARR_NAMES", "as_strided", "by_numpy", "by_torch", "by_zarr", "fill_value", "from_numpy",
+           "to_numpy", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,13 @@ def from_numpy(a: np.ndarray, row: DType) -> torch.Tensor:
         return torch.from_numpy(a)
     int_np = np.dtype(getattr(np, row.view_as))
     return torch.from_numpy(a.view(int_np)).view(torch_dtype(row))
+
+
+def as_strided(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """``np.lib.stride_tricks.as_strided`` for every dtype of the table (a writable view of
+    ``a``'s memory). NumPy builds that view from ``__array_interface__``, whose type string
+    it cannot parse back for some ml_dtypes types (float8_e5m2 says ``'<f1'``: ``TypeError:
+    data type '<f1' not understood``), so the view is made over same-width raw items and
+    given ``a``'s dtype back."""
+    raw = a.view(np.dtype((np.void, a.dtype.itemsize)))
+    return np.lib.stride_tricks.as_strided(raw, shape, strides).view(a.dtype)

@@ -655,8 +655,8 @@ class _Run:
             first, last = items[s][2], items[e - 1][2]
             dst = _sub(self.out, first[:-1] + ((first[-1][0], last[-1][1]),), self.origin)
             k, w = e - s, c.inner[-1]
-            dst = np.lib.stride_tricks.as_strided(dst, (*c.inner[:-1], k, w),
-                                                  (*dst.strides[:-1], w * dst.strides[-1], dst.strides[-1]))
+            dst = dtypes.as_strided(dst, (*c.inner[:-1], k, w),
+                                    (*dst.strides[:-1], w * dst.strides[-1], dst.strides[-1]))
             np.copyto(dst, np.moveaxis(tiles[s:e], 0, -2), casting="no")
             s = e
 
