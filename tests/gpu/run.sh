@@ -23,7 +23,7 @@ else
 fi
 commit=${ZARRCKPT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 log=$(mktemp)
-python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu tests/test_cuda.py tests/test_async.py \
+python3 -m pytest -q -p no:cacheprovider -m gpu -rfEP tests/gpu tests/test_cuda.py tests/test_async.py \
   tests/test_tiles.py "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$log" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
