@@ -476,3 +476,56 @@ def test_consolidated_metadata_of_a_root_before_1_2_is_ignored(saved_v11, tmp_pa
     (path / "zarr.json").write_bytes(fmt.encode_document(doc))
     assert zarrckpt.open(path)["big"].shape == (20000,)
     read_everything(path)
+
+
+# ------------------------------------------------ shard index entries of padding inner chunks
+
+EDGE = REPO / "tests" / "golden" / "v1.2" / "four_ranks_dtensor"  # "edge_padding": [10, 2], chunks [9, 2],
+# inner chunks [1, 2]: chunk [1, 0] holds row 9, its inner chunks [1, 0] ... [8, 0] lie wholly in padding
+
+
+def _set_index_entry(shard: Path, entry: int, off: int, nbytes: int) -> None:
+    """Rewrite one (offset, nbytes) entry of a shard's index, with a correct index CRC-32C."""
+    import crc32c
+
+    data = bytearray(shard.read_bytes())
+    count = 9
+    start = len(data) - (16 * count + 4)
+    table = np.frombuffer(bytes(data[start:-4]), "<u8").reshape(count, 2).copy()
+    table[entry] = (off, nbytes)
+    data[start:-4] = table.tobytes()
+    data[-4:] = crc32c.crc32c(bytes(data[start:-4])).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("entry,where", [(1, "outside"), (8, "outside"), (1, "over the index"),
+                                         (1, "overflowing")])
+def test_padding_index_entry_outside_its_shard_is_refused(tmp_path, entry, where):
+    """§5.5: a present index entry MUST lie wholly inside the shard, before its index, and
+    readers MUST refuse one that does not -- also the entry of an inner chunk wholly in the
+    padding, which no reader needs to decode. Every read path refuses it, naming the array,
+    the chunk and the inner chunk."""
+    path = copy_of(EDGE, tmp_path / "c")
+    shard = path / "edge_padding" / "c" / "1" / "0"
+    end = shard.stat().st_size - (16 * 9 + 4)  # where the inner chunks end (12 bytes: row 9 + CRC)
+    off, nbytes = {"outside": (4096, 12), "over the index": (end - 4, 12),
+                   "overflowing": (2**64 - 2, 12)}[where]
+    _set_index_entry(shard, entry, off, nbytes)
+    match = r"array 'edge_padding': chunk c/1/0 inner chunk \[%d, 0\]: index entry .* outside" % entry
+    with pytest.raises(errors.CorruptChunkError, match=match):
+        zarrckpt.open(path).read("edge_padding")
+    with pytest.raises(errors.CorruptChunkError, match=match):
+        zarrckpt.load_state_dict(path, ["edge_padding"])
+    target = {"edge_padding": torch.zeros(10, 2)}
+    with pytest.raises(errors.CorruptChunkError, match=match):
+        zarrckpt.load(target, path, strict=False)
+
+
+def test_padding_index_entry_inside_its_shard_is_read(tmp_path):
+    """The MUST-read counterpart: a present entry of a padding inner chunk that lies inside
+    the shard (here: over row 9's bytes) is not decoded, and the array reads as saved."""
+    path = copy_of(EDGE, tmp_path / "c")
+    want = zarrckpt.open(EDGE).read("edge_padding")
+    _set_index_entry(path / "edge_padding" / "c" / "1" / "0", 3, 0, 12)
+    assert np.array_equal(zarrckpt.open(path).read("edge_padding"), want)
+    assert np.array_equal(zarrckpt.load_state_dict(path, ["edge_padding"])["edge_padding"].numpy(), want)

@@ -42,7 +42,8 @@ from .base import Array, tile_grid
 from ..format import dtypes
 from ..errors import CorruptChunkError, FormatError
 
-__all__ = ["ChunkCodec", "LocalArray", "chunk_codec", "counters", "file_type", "inner_offset", "release_buffers"]
+__all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "inner_offset",
+           "release_buffers"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -497,14 +498,17 @@ class LocalArray(Array):
         _count("bytes_read", len(raw))
         if len(raw) != n:
             raise CorruptChunkError(f"{self._where(index)}: short read of its index")
-        known = self._index[index] = (self._parse_index(raw, index), size - n)
+        known = self._index[index] = (self._parse_index(raw, index, size - n), size - n)
         return known
 
-    def _parse_index(self, raw: Any, index: tuple[int, ...]) -> np.ndarray:
-        """The shard index (its bytes and CRC-32C) as (count, 2) uint64, checked."""
+    def _parse_index(self, raw: Any, index: tuple[int, ...], end: int) -> np.ndarray:
+        """The shard index (its bytes and CRC-32C) as (count, 2) uint64, checked: its CRC,
+        and every present entry inside the shard (:func:`check_index`)."""
         if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
-        return np.frombuffer(raw[:-4], dtype="<u8").reshape(self.codec.count, 2)
+        table = np.frombuffer(raw[:-4], dtype="<u8").reshape(self.codec.count, 2)
+        check_index(table, self.codec, end, lambda j: self._where(index, j))
+        return table
 
     def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, np.ndarray, int]:
         """(the whole chunk file, its checked index, where the inner chunks end), one read."""
@@ -516,7 +520,7 @@ class LocalArray(Array):
         data = memoryview(_scratch(size, "whole"))
         _preadv_all(fd, [data], 0, self._where(index))
         _count("bytes_read", size)
-        return data, self._parse_index(data[size - n:], index), size - n
+        return data, self._parse_index(data[size - n:], index, size - n), size - n
 
     def _read_units(self, box: Box, origin: tuple[int, ...], out: np.ndarray, units: list,
                     whole: set = frozenset()) -> None:
@@ -759,6 +763,21 @@ def combined_crc(crcs: list[int], nbytes: int) -> int:
     for c in crcs[1:]:
         out = _times(op, out) ^ c
     return out
+
+
+def check_index(table: np.ndarray, codec: ChunkCodec, end: int, where: Callable[[tuple[int, ...]], str]) -> None:
+    """Spec §5.5: every present entry of a shard index (``table``, (count, 2) uint64) lies
+    wholly inside the shard, before its index (``offset + nbytes <= end``) -- the entries of
+    inner chunks wholly in padding too, which no read decodes. CorruptChunkError naming the
+    first entry that does not (``where(j)``: the array, chunk and inner chunk)."""
+    off, nbytes = table[:, 0], table[:, 1]
+    limit = np.uint64(end)
+    bad = ~((off == _ABSENT) & (nbytes == _ABSENT)) & ((off > limit) | (nbytes > limit - np.minimum(off, limit)))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        j = tuple(int(x) for x in np.unravel_index(k, codec.grid))
+        raise CorruptChunkError(f"{where(j)}: index entry ({int(off[k])}, {int(nbytes[k])}) does not fit in "
+                                f"the shard: it reaches outside the {end} bytes of its inner chunks")
 
 
 def inner_offset(table: np.ndarray, codec: ChunkCodec, j: tuple[int, ...], end: int,
