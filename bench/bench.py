@@ -34,8 +34,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import zarrckpt
-from harness import (Ctx, bit_equal, checksums, dir_stats, drop_caches, free_port, fs_type, init_dist,  # noqa: F401
-                     leaves, load_pair, local, now, rotate, saver, sizes, storage_bw, tmap, verify_checksums)
+from harness import (Commit, Ctx, bit_equal, check_saved, checksums, dir_stats, drop_caches,  # noqa: F401
+                     drop_times, free_port, fs_type, init_dist, leaves, load_pair, load_with, local, now, rotate, saver,
+                     scramble, sizes, storage_bw, tmap, verify_checksums)
 from models import SHAPES, build_state, tensor_stats
 from report import BENCH_SYSTEMS, report
 from reshard import jobs, make_target, pair_worker, wanted_pairs
@@ -49,22 +50,30 @@ STATE_SECTIONS = {"save", "async", "load", "reshard", "reshard_pairs"}
 
 def sweep_threads(ctx: Ctx, sd, tag: str) -> dict:
     """Sync DCP saves with ``FileSystemWriter(thread_count=T)`` for every T of
-    ``--dcp-threads``, ``--sweep-reps`` times (order rotated); the T of the fastest median
-    (rank 0's timing, which spans the barriers) becomes ``ctx.dcp_threads``."""
+    ``--dcp-threads``, ``--sweep-reps`` times (order rotated); each checkpoint is loaded
+    back and checked against the state's checksums at the call (untimed), and one that
+    fails counts no time. The T of the fastest median over verified saves (rank 0's
+    timing, which spans the barriers) becomes ``ctx.dcp_threads``."""
     cfg = ctx.cfg
     secs: dict[int, list[float]] = {t: [] for t in cfg.dcp_threads}
+    failed: dict[int, int] = {t: 0 for t in cfg.dcp_threads}
     for r in range(cfg.sweep_reps):
         for t in rotate(cfg.dcp_threads, r):
             path = os.path.join(cfg.dir, f"sweep_{tag}_t{t}")
+            ref = checksums(sd, True)
             rec = ctx.measure(lambda: dcp.save(sd, storage_writer=FileSystemWriter(path, thread_count=t)))
-            secs[t].append(rec["seconds"])
+            check_saved(rec, load_with("dcp_best", path), sd, ref, True)
+            if rec["verified"]:
+                secs[t].append(rec["seconds"])
+            else:
+                failed[t] += 1
             ctx.rmtree(path)
-    med = {t: statistics.median(v) for t, v in secs.items()}
-    choice = [min(med, key=med.get)]
+    med = {t: statistics.median(v) for t, v in secs.items() if v}
+    choice = [min(med, key=med.get) if med else cfg.dcp_threads[0]]
     dist.broadcast_object_list(choice, src=0, group=ctx.gloo)
     ctx.dcp_threads = choice[0]
     return {"seconds": {str(t): v for t, v in secs.items()}, "median": {str(t): v for t, v in med.items()},
-            "chosen": choice[0]}
+            "chosen": choice[0], "unverified": {str(t): n for t, n in failed.items() if n}}
 
 
 class DcpStager:
@@ -148,54 +157,86 @@ def record_files(ctx, cur):
 
 
 def sync_save(ctx, rep, sd, ckpt, tag="sync"):
-    """Timed saves into fresh directories; ``ckpt`` keeps the latest per system (for loads)."""
+    """Timed saves into fresh directories; ``ckpt`` keeps the latest per system (for loads).
+    Each checkpoint is loaded back by its system and checked against the state's checksums
+    taken at the call (untimed); one that fails reports no time."""
     for p in ckpt.values():
         ctx.rmtree(p)
-    cur = [None]
+    cur, ref = [None], {}
 
     def prepare(s):
         ckpt[s] = cur[0] = os.path.join(ctx.cfg.dir, f"{s}_{tag}_{rep}")
+        t0 = now()
+        ref["sums"] = checksums(sd, True)
+        ref["s"] = now() - t0
         return saver(ctx, s, sd, cur[0])
-    return ctx.pair(rep, prepare, record_files(ctx, cur))
+
+    def after(s, rec):
+        record_files(ctx, cur)(s, rec)
+        rec.setdefault("untimed", {})["ref_s"] = ref["s"]
+        check_saved(rec, load_with(s, cur[0]), sd, ref["sums"], True)
+    return ctx.pair(rep, prepare, after)
 
 
 def async_save(ctx, rep, sd, stager: DcpStager):
     """blocked: the call's return; may_change: until the state may change (zarrckpt:
     ``wait_staged()``; DCP: the ``staging_completion`` future, or the call itself when it
-    returns a plain Future, as with its default stager); the phase's seconds: committed."""
-    cur = [None]
+    returns a plain Future, as with its default stager); seconds: until committed.
+
+    At the may-change point every local shard of the state is overwritten with garbage
+    (``scramble``, as training would change it); the save's seconds run from the call to
+    its commit (a done-callback), so that overwrite is not counted. After the commit
+    (untimed) the state is restored (``scramble`` again) and the checkpoint is loaded back
+    and checked against the state's checksums taken at the call; one that fails reports
+    no time."""
+    cur, ref = [None], {}
 
     def prepare(s):
         cur[0] = path = os.path.join(ctx.cfg.dir, f"{s}_async_{rep}")
+        t0 = now()
+        ref["sums"] = checksums(sd, True)
+        ref["s"] = now() - t0
 
         def run():
             t0 = now()
             if s == "zc":
                 fut = zarrckpt.async_save(sd, path)
                 blocked = now() - t0
+                done = Commit(fut)
                 fut.wait_staged()  # CUDA copies run on a side stream after the call returns
                 may_change = now() - t0
+                overwrite = scramble(sd)  # the state may change now
+                report = fut.result()
                 return {"blocked": blocked, "may_change": may_change, "staged_seconds": fut.staged_seconds,
-                        "report": fut.result()}
+                        "report": report, "seconds": done.at - t0, "overwrite_s": overwrite}
             if s == "dcp":
                 fut = dcp.async_save(sd, checkpoint_id=path, process_group=ctx.gloo)
             else:
                 fut = dcp.async_save(sd, storage_writer=FileSystemWriter(path, thread_count=ctx.dcp_threads),
                                      async_stager=stager.get(), process_group=ctx.gloo)
             blocked = now() - t0
+            upload = getattr(fut, "upload_completion", fut)
+            done = Commit(upload)
             staged = getattr(fut, "staging_completion", None)
             if staged is not None:
                 staged.result()
             may_change = now() - t0
-            getattr(fut, "upload_completion", fut).result()
-            return {"blocked": blocked, "may_change": may_change, "returned": type(fut).__name__}
+            overwrite = scramble(sd)  # the state may change now
+            upload.result()
+            return {"blocked": blocked, "may_change": may_change, "returned": type(fut).__name__,
+                    "seconds": done.at - t0, "overwrite_s": overwrite}
         return run
 
     def after(s, rec):
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        rec.setdefault("untimed", {})["restore_s"] = scramble(sd)  # the state as it was at the call
+        rec["untimed"]["ref_s"] = ref["s"]
         record_files(ctx, cur)(s, rec)
         if s == "dcp_best":
             rec["stager_cached_storages"] = stager.cached()
             stager.after_save()
+        check_saved(rec, load_with(s, cur[0]), sd, ref["sums"], True)
         ctx.rmtree(cur[0])
     return ctx.pair(rep, prepare, after)
 
@@ -218,6 +259,24 @@ def write_skeleton(ctx, sd, sdir):
         skel = tmap(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sd)
         torch.save(skel, os.path.join(sdir, "skeleton.pt"))
     ctx.sync()
+
+
+def checked(res: dict, rep: int) -> str:
+    """How rep ``rep``'s timed checkpoints verified (this rank's records), for the log."""
+    bad, n = [], 0
+    for sec, rows in res.items():
+        if sec == "pairs":
+            rows = [r for v in rows.values() for r in v]
+        if not isinstance(rows, list):
+            continue
+        for row in rows:
+            if isinstance(row, dict) and row.get("rep") == rep:
+                for s, rec in row.items():
+                    if isinstance(rec, dict) and "verified" in rec:
+                        n += 1
+                        if not rec["verified"]:
+                            bad.append(f"{sec}/{s}")
+    return f"{n} timed checkpoints verified" if not bad else f"VERIFY FAILED: {', '.join(bad)} (of {n})"
 
 
 def dump(ctx, sdir, name, obj):
@@ -285,7 +344,7 @@ def shape_worker(rank, cfg, port, sdir, shape):
                 ctx, rep, ckpt, lambda: make_target("shard1", sd, mesh, device),
                 lambda t: verify_checksums(t, ref, True)))
         if rank == 0:
-            print(f"[{time.strftime('%H:%M:%S')}] {shape} rep {rep} done", flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] {shape} rep {rep} done; {checked(res, rep)}", flush=True)
     stager.close()
     zarrckpt.release_staging()
     dump(ctx, sdir, f"ckpt_w{cfg.world}.json", ckpt)
@@ -311,6 +370,8 @@ def small_worker(rank, cfg, port, sdir):
         out["load"].append(same_layout_load(ctx, rep, ckpt, sd))
         for p in ckpt.values():
             ctx.rmtree(p)
+        if rank == 0:
+            print(f"[{time.strftime('%H:%M:%S')}] small rep {rep} done; {checked(out, rep)}", flush=True)
     with open(os.path.join(sdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()

@@ -1,6 +1,9 @@
 """What every benchmark process shares: host measurements (page cache, /proc/self/io, RSS),
-state helpers, the timed-phase context (``Ctx``), each system's save/load call, and the
-layout-independent checksums that verify resharded loads."""
+state helpers, the timed-phase context (``Ctx``), each system's save/load call, the
+layout-independent checksums, and the verification of every timed checkpoint: its
+checksums at the call (``checksums``), the state overwritten at the may-change point of an
+async save and restored afterwards (``scramble``), the checkpoint loaded back and compared
+(``verify_checkpoint``), and no time reported for one that fails (``drop_times``)."""
 
 from __future__ import annotations
 
@@ -180,7 +183,11 @@ def _digest(x: torch.Tensor, offsets, gshape) -> int:
     """Sum over the elements of a box of a tensor (``x`` = the box, at ``offsets`` in a
     tensor of ``gshape``) of ((bits XOR global_index * M2) * M1) mod 2^64. Summed over
     disjoint boxes that cover a tensor, it is the same whatever the boxes: a changed bit,
-    or a value at a wrong position, changes it (up to 2^-64 collisions)."""
+    or a value at a wrong position, changes it (up to 2^-64 collisions).
+
+    Computed as M1 * sum(bits XOR (row_part + col_part) * M2) (multiplication distributes
+    over the sum mod 2^64), a row of pieces at a time in two reused int64 buffers: the same
+    value as the per-element formula, without a fresh allocation per piece."""
     if x.numel() == 0:
         return 0
     x = x.detach().contiguous()
@@ -195,12 +202,19 @@ def _digest(x: torch.Tensor, offsets, gshape) -> int:
         base += (rows % x.shape[d] + offsets[d]) * gstride[d]
         rows = rows // x.shape[d]
     col = torch.arange(ncol, device=x.device) + (offsets[-1] if x.dim() else 0)
+    row_m2, col_m2 = base * _M2, col * _M2  # (row + col) * M2 = row * M2 + col * M2 (mod 2^64)
     total = torch.zeros((), dtype=torch.int64, device=x.device)
-    step = max(1, (8 << 20) // ncol)
+    step = max(1, ((8 << 20) if x.is_cuda else (1 << 20)) // ncol)
+    n = min(step, bits.shape[0])
+    idx = torch.empty((n, ncol), dtype=torch.int64, device=x.device)
+    val = torch.empty((n, ncol), dtype=torch.int64, device=x.device)
     for a in range(0, bits.shape[0], step):
-        g = base[a:a + step, None] + col[None, :]
-        total += ((bits[a:a + step].to(torch.int64) ^ (g * _M2)) * _M1).sum()
-    return int(total)
+        m = min(step, bits.shape[0] - a)
+        g, v = idx[:m], val[:m]
+        torch.add(row_m2[a:a + m, None], col_m2[None, :], out=g)
+        v.copy_(bits[a:a + m])
+        total += v.bitwise_xor_(g).sum()
+    return int(total * _M1)
 
 
 def _box(t):
@@ -236,6 +250,156 @@ def checksums(sd, distributed: bool) -> dict[str, int]:
 def verify_checksums(target, ref: dict[str, int], distributed: bool) -> bool:
     got = checksums(target, distributed)
     return got.keys() == ref.keys() and all(got[k] == ref[k] for k in ref)
+
+
+# ------------------------------------------------- verifying what was timed
+
+VERIFY_GROUP_BYTES = int(os.environ.get("ZB_VERIFY_GROUP_MIB", "1024")) << 20
+TIME_KEYS = ("seconds", "blocked", "may_change", "staged", "total", "committed")
+
+
+def scramble(sd) -> float:
+    """Overwrite every local shard of ``sd`` in place with garbage: every bit of every
+    element flipped (bitwise NOT of the bits: floats become other, mostly huge or NaN,
+    values; ``logical_not`` for bool). Each element changes, and a second call restores
+    the state bit for bit, so the benchmark's later repetitions see the state they expect
+    with no copy kept and no new buffer. On CUDA the kernels are queued on the current
+    stream. Returns the host seconds it took."""
+    t0 = now()
+    seen = set()
+    with torch.no_grad():
+        for _, t in leaves(sd):
+            x = local(t)
+            if x.numel() == 0 or x.device.type == "meta":
+                continue
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            if key in seen:  # the same memory twice (tied leaves): flipping it twice would undo it
+                continue
+            seen.add(key)
+            if x.dtype == torch.bool:
+                x.logical_not_()
+            else:
+                x.view(_INT[x.element_size()]).bitwise_not_()
+    return now() - t0
+
+
+def _weight(t) -> int:
+    """Bytes a leaf holds per rank, the same number on every rank (a DTensor's global
+    bytes over its mesh size), so that every rank cuts the same groups."""
+    n = t.numel() * t.element_size()
+    return n // t.device_mesh.size() if isinstance(t, DTensor) else n
+
+
+def _subset(obj, keep: set[int]):
+    """Fresh zeros of the tensors of ``obj`` whose id is in ``keep``, in the same nested
+    dicts (other keys left out); a list or tuple holding one of them is taken whole.
+    None when nothing is kept."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj) if id(obj) in keep else None
+    if isinstance(obj, dict):
+        out = {k: v for k, v in ((k, _subset(v, keep)) for k, v in obj.items()) if v is not None}
+        return out or None
+    if isinstance(obj, (list, tuple)):
+        return tmap(torch.zeros_like, obj) if any(id(t) in keep for _, t in leaves(obj)) else None
+    return None
+
+
+def _agree_failed(failed: bool, distributed: bool) -> bool:
+    if not distributed:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=_cpu_group())
+    return bool(flag.item())
+
+
+_CPU_GROUP: list = []
+
+
+def _cpu_group():
+    """A gloo group for the verifier's own agreement (the default group may be NCCL)."""
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
+
+
+def verify_checkpoint(load, sd, ref: dict[str, int], distributed: bool, group_bytes: int | None = None) -> dict:
+    """Load a checkpoint of ``sd`` with the system's own load (``load(target)``, collective)
+    into fresh zeros of ``sd``'s layout, at most ``group_bytes`` per rank at a time
+    (default ``ZB_VERIFY_GROUP_MIB``, 1024 MiB: the memory verification adds between timed
+    phases is bounded), and compare the layout-independent checksum of every tensor with
+    ``ref`` (``checksums(sd)`` taken at the call). Untimed. Returns ``verified``,
+    ``verify_s``, the first keys that differ (``wrong``) and a load's error, if any."""
+    t0 = now()
+    limit = group_bytes or VERIFY_GROUP_BYTES
+    groups: list[list] = [[]]
+    size = 0
+    for _, t in leaves(sd):
+        w = _weight(t)
+        if groups[-1] and size + w > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += w
+    got: dict[str, int] = {}
+    error = None
+    for g in groups:
+        if not g:
+            continue
+        target = _subset(sd, {id(t) for t in g})
+        try:
+            load(target)
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be loaded is not verified
+            error = f"{type(e).__name__}: {e}"[:500]
+        if _agree_failed(error is not None, distributed):
+            error = error or "the load failed on another rank"
+            break
+        got.update(checksums(target, distributed))
+        del target
+    wrong = [] if error else [k for k in ref if got.get(k) != ref[k]] + sorted(set(got) - set(ref))
+    out = {"verified": error is None and not wrong, "verify_s": now() - t0}
+    if wrong:
+        out["wrong"] = wrong[:8]
+        out["wrong_count"] = len(wrong)
+    if error:
+        out["verify_error"] = error
+    return out
+
+
+def drop_times(rec: dict) -> dict:
+    """A record whose checkpoint failed verification reports no time: its timing fields
+    are set to None (the measured values are kept apart, under ``unverified_times``)."""
+    if rec.get("verified") is False:
+        kept = {k: rec[k] for k in TIME_KEYS if rec.get(k) is not None}
+        if kept:
+            rec["unverified_times"] = kept
+        for k in kept:
+            rec[k] = None
+    return rec
+
+
+def check_saved(rec: dict, load, sd, ref: dict[str, int], distributed: bool) -> dict:
+    """Verify the checkpoint a timed phase wrote (``verify_checkpoint``) and record the
+    outcome in ``rec``: ``verified``, its seconds under ``untimed.verify_s``, and no time
+    when it failed (``drop_times``)."""
+    v = verify_checkpoint(load, sd, ref, distributed)
+    rec.setdefault("untimed", {})["verify_s"] = v.pop("verify_s")
+    rec.update(v)
+    return drop_times(rec)
+
+
+class Commit:
+    """When a future completed, by a done-callback (called in the thread that completes
+    it), so that work the caller does meanwhile -- overwriting the state after the
+    may-change point -- is not counted in the save's time. Register it right after the
+    call returns."""
+
+    def __init__(self, fut) -> None:
+        self.at = None
+        fut.add_done_callback(self._done)
+
+    def _done(self, _) -> None:
+        if self.at is None:
+            self.at = now()
 
 
 # ------------------------------------------------------------------- harness
@@ -275,7 +439,9 @@ class Ctx:
 
     def measure(self, fn) -> dict:
         """Barrier, run ``fn``, barrier: seconds, RSS peak/retained, /proc/self/io deltas,
-        plus whatever dict ``fn`` returns."""
+        plus whatever dict ``fn`` returns. ``fn`` may return its own ``seconds`` (an async
+        save: from the call to the commit, leaving out the overwrite of the state that
+        runs meanwhile); the barrier-to-barrier time is then kept as ``phase_s``."""
         self.sync()
         io0 = proc_io()
         with self.mon.phase() as rec:
@@ -285,6 +451,8 @@ class Ctx:
             rec["seconds"] = now() - t0
         io1 = proc_io()
         rec.update({k: io1[k] - io0[k] for k in io0})
+        if isinstance(extra, dict) and "seconds" in extra:
+            rec["phase_s"] = rec["seconds"]
         rec.update(extra if isinstance(extra, dict) else {})
         return rec
 
@@ -369,6 +537,11 @@ def loader(s: str, target, path: str, no_dist: bool = False):
     return run
 
 
+def load_with(s: str, path: str, no_dist: bool = False):
+    """``load(target)`` of system ``s`` for the checkpoint at ``path`` (for verification)."""
+    return lambda target: loader(s, target, path, no_dist)()
+
+
 def load_pair(ctx: Ctx, rep: int, ckpt: dict, make_target, verify, no_dist: bool = False) -> dict:
     """Each system loads its checkpoint into a fresh target (built untimed, cache dropped)."""
     box = {}
@@ -386,4 +559,5 @@ def load_pair(ctx: Ctx, rep: int, ckpt: dict, make_target, verify, no_dist: bool
         t0 = now()
         rec["verified"] = bool(verify(box.pop("t")))
         rec["untimed"] = dict(box["untimed"], verify_s=now() - t0)
+        drop_times(rec)
     return ctx.pair(rep, prepare, after)

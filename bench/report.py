@@ -3,7 +3,9 @@
 Conventions: seconds of a phase = the slowest rank's (every phase is timed between
 barriers); "zarrckpt speedup" of a system = median over reps of (that system's seconds /
 zarrckpt's seconds in the same rep), so > 1 means zarrckpt is faster; GB/s = the state's
-global bytes / median seconds; GB = 10^9 bytes.
+global bytes / median seconds; GB = 10^9 bytes. Every timed checkpoint is verified (see
+harness.verify_checkpoint): a rep whose checkpoint failed has no time, is left out of
+every median and ratio, and the system's name in the table says in how many reps.
 """
 
 from __future__ import annotations
@@ -34,10 +36,21 @@ def systems_of(rows) -> list[str]:
     return [s for s in BENCH_SYSTEMS if rows and s in rows[0]]
 
 
+def verified_of(recs) -> bool | None:
+    """False when any record failed verification, None when some were not checked (a JSON
+    from a bench.py before every timed checkpoint was verified), else True."""
+    flags = [r.get("verified") for r in recs]
+    if any(f is False for f in flags):
+        return False
+    return None if any(f is None for f in flags) else True
+
+
 def combine(per_rank) -> list[dict]:
     """``per_rank[r][i]`` = rank r's record of rep i ({"rep", "order", system: record}).
     Per rep and system, over ranks: seconds, blocked, may_change and RSS = max; I/O bytes
-    summed; files from rank 0; verified = all ranks."""
+    summed; files from rank 0; verified = all ranks. A rep whose checkpoint failed
+    verification (on any rank) has no times: seconds, blocked and may_change are None, and
+    every median and ratio below leaves it out."""
     out = []
     for i, row0 in enumerate(per_rank[0]):
         row = {"rep": row0["rep"], "order": row0.get("order")}
@@ -46,27 +59,43 @@ def combine(per_rank) -> list[dict]:
                 continue
             recs = [pr[i][s] for pr in per_rank]
             reports = [r.get("report") or {} for r in recs]
-            row[s] = {"seconds": max(r["seconds"] for r in recs),
-                      "blocked": max(r.get("blocked", 0) for r in recs),
-                      "may_change": max(r.get("may_change", r.get("blocked", 0)) for r in recs),
+            ok = verified_of(recs)
+
+            def slowest(key, default=0):
+                vals = [r.get(key, default) for r in recs]
+                return None if ok is False or any(v is None for v in vals) else max(vals)
+            row[s] = {"seconds": slowest("seconds"),
+                      "blocked": slowest("blocked"),
+                      "may_change": None if ok is False else max(
+                          (r.get("may_change", r.get("blocked", 0)) or 0) for r in recs),
                       "rss_peak_mb": max(r["rss_peak_mb"] for r in recs),
                       "rss_retained_mb": max(r.get("rss_retained_mb", 0) for r in recs),
                       **{k: sum(r.get(k, 0) for r in recs) for k in ("rchar", "read_bytes", "bytes_needed")},
                       "fetched": sum(p.get("bytes_fetched", 0) for p in reports) if s == "zc" else None,
                       "zc_needed": sum(p.get("bytes_needed", 0) for p in reports) if s == "zc" else None,
                       "files": recs[0].get("files"), "disk_bytes": recs[0].get("disk_bytes"),
-                      "verified": all(r.get("verified", True) for r in recs)}
+                      "verified": ok}
         out.append(row)
     return out
 
 
+def good(rows, s) -> list[dict]:
+    """The reps whose system-``s`` checkpoint was not found wrong (their times count)."""
+    return [r for r in rows if r[s]["verified"] is not False]
+
+
 def ratio(rows, s, field="seconds"):
-    """Median over reps of (system s / zarrckpt) in the same rep."""
-    return median([r[s][field] / r["zc"][field] for r in rows if r["zc"][field]])
+    """Median over reps of (system s / zarrckpt) in the same rep; reps where either
+    system's checkpoint failed verification are left out."""
+    return median([r[s][field] / r["zc"][field] for r in rows
+                   if r[s][field] is not None and r["zc"][field]])
 
 
 def name(rows, s) -> str:
-    return NAMES[s] + ("" if all(r[s]["verified"] for r in rows) else " (VERIFY FAILED)")
+    bad = sum(1 for r in rows if r[s]["verified"] is False)
+    unchecked = sum(1 for r in rows if r[s]["verified"] is None)
+    note = f" (VERIFY FAILED in {bad} of {len(rows)} reps: their times dropped)" if bad else ""
+    return NAMES[s] + note + (f" (not verified in {unchecked} reps)" if unchecked else "")
 
 
 def f3(x) -> str:
@@ -95,18 +124,20 @@ def table(title, rows, payload, io=False, bw=None, bw_kind="write") -> str:
              "fetched / needed"] if io else []
     lines = header(title, head)
     for s in systems_of(rows):
-        med = median([r[s]["seconds"] for r in rows])
+        ok = good(rows, s)
+        med = median([r[s]["seconds"] for r in ok])
         files, disk = rows[-1][s].get("files"), rows[-1][s].get("disk_bytes")
         cells = [name(rows, s), f3(med), f2(payload / med / 1e9) if med else "-",
                  "—" if s == "zc" else f2(ratio(rows, s))]
         if bw:
-            cells.append(f"{100 * median([payload / r[s]['seconds'] / bw[r['rep']] for r in rows]):.0f}%")
+            pct = median([payload / r[s]["seconds"] / bw[r["rep"]] for r in ok])
+            cells.append("-" if pct is None else f"{100 * pct:.0f}%")
         cells += [f"{max(r[s]['rss_peak_mb'] for r in rows):.0f}",
                   "-" if files is None else f"{files} ({human(disk)})"]
         if io:
-            need, got = median([r[s]["bytes_needed"] for r in rows]), median([r[s]["rchar"] for r in rows])
-            fetched = median([r[s].get("fetched") for r in rows])
-            cells += [human(need), human(got), f2(got / need) if need else "-",
+            need, got = median([r[s]["bytes_needed"] for r in ok]), median([r[s]["rchar"] for r in ok])
+            fetched = median([r[s].get("fetched") for r in ok])
+            cells += [human(need), human(got), f2(got / need) if need and got is not None else "-",
                       human(fetched) if fetched is not None else "-",
                       f2(fetched / need) if fetched is not None and need else "-"]
         lines.append(row_line(cells))
@@ -119,7 +150,7 @@ def async_table(title, rows, payload) -> str:
             "peak RSS Δ MB (max)", "retained MB (max)"]
     lines = header(title, head)
     for s in systems_of(rows):
-        b, m, t = (median([r[s][k] for r in rows]) for k in ("blocked", "may_change", "seconds"))
+        b, m, t = (median([r[s][k] for r in good(rows, s)]) for k in ("blocked", "may_change", "seconds"))
         cells = [name(rows, s), f3(b), f3(m), f3(t), f2(payload / m / 1e9) if m else "-"]
         cells += ["—"] * 3 if s == "zc" else [f2(ratio(rows, s, k)) for k in ("blocked", "may_change", "seconds")]
         cells += [f"{max(r[s]['rss_peak_mb'] for r in rows):.0f}",
@@ -151,10 +182,15 @@ def bw_table(ranks):
 
 
 def sweep_table(title, sweep, payload, stager=None) -> str:
-    lines = header(title, ["FileSystemWriter thread_count", f"sync save s (median of {len(next(iter(sweep['seconds'].values())))})",
+    bad = sweep.get("unverified") or {}
+    lines = header(title, ["FileSystemWriter thread_count", "sync save s (median of the verified saves)",
                            "GB/s", "chosen for DCP best"])
-    for t, med in sorted(sweep["median"].items(), key=lambda kv: int(kv[0])):
-        lines.append(row_line([t, f3(med), f2(payload / med / 1e9), "yes" if int(t) == sweep["chosen"] else ""]))
+    for t in sorted(sweep["seconds"], key=int):
+        med = sweep["median"].get(t)
+        note = f" ({len(sweep['seconds'][t])} verified; VERIFY FAILED {bad[t]}, dropped)" if bad.get(t) else \
+            f" ({len(sweep['seconds'][t])})"
+        lines.append(row_line([t, f3(med) + note, f2(payload / med / 1e9) if med else "-",
+                               "yes" if int(t) == sweep["chosen"] else ""]))
     if stager:
         lines.append(f"\nDCP best async: {stager}")
     return "\n".join(lines)
@@ -177,13 +213,15 @@ def pairs_table(cfg, pairs, info) -> tuple[str, dict]:
         if cfg.device == "cuda" and dev == "cpu":
             where += f" (CPU targets over gloo: {info.get('gpus', 0)} GPUs < {pairs[p]['world']} ranks)"
         for s in systems_of(rows):
-            need, got = median([r[s]["bytes_needed"] for r in rows]), median([r[s]["rchar"] for r in rows])
-            fetched = median([r[s].get("fetched") for r in rows])
+            ok = good(rows, s)
+            need, got = median([r[s]["bytes_needed"] for r in ok]), median([r[s]["rchar"] for r in ok])
+            fetched = median([r[s].get("fetched") for r in ok])
             lines.append(row_line([
-                pair_info(p, cfg.world)["label"], where, name(rows, s), f3(median([r[s]["seconds"] for r in rows])),
+                pair_info(p, cfg.world)["label"], where, name(rows, s), f3(median([r[s]["seconds"] for r in ok])),
                 "—" if s == "zc" else f2(ratio(rows, s)), human(need),
                 human(fetched) if fetched is not None else "-",
-                f2(fetched / need) if fetched is not None and need else "-", human(got), f2(got / need) if need else "-"]))
+                f2(fetched / need) if fetched is not None and need else "-", human(got),
+                f2(got / need) if need and got is not None else "-"]))
     return "\n".join(lines), combined
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from harness import Ctx, checksums, init_dist, load_pair, now, saver, tmap, verify_checksums
+from harness import Ctx, check_saved, checksums, init_dist, load_pair, load_with, now, saver, tmap, verify_checksums
 from models import build_state
 from report import BENCH_SYSTEMS
 
@@ -99,7 +99,8 @@ def load_rounds(ctx: Ctx, name: str, sdir: str, ckpt_file: str, ref_file: str, m
         out.append(load_pair(ctx, rep, ckpt, lambda: make_target(kind, skel, mesh, ctx.device),
                              lambda t: verify_checksums(t, ref, ctx.distributed), no_dist=not ctx.distributed))
         if ctx.rank == 0:
-            secs = ", ".join(f"{s} {out[-1][s]['seconds']:.2f} s (untimed: " + " ".join(
+            secs = ", ".join(f"{s} " + (f"{out[-1][s]['seconds']:.2f} s" if out[-1][s]["verified"] else
+                                        "VERIFY FAILED, no time") + " (untimed: " + " ".join(
                 f"{k} {v:.1f}" for k, v in out[-1][s]["untimed"].items()) + ")" for s in out[-1]["order"])
             print(f"  {name} rep {rep}: {secs} (whole round {now() - t0:.1f} s)", flush=True)
     return out
@@ -115,7 +116,9 @@ def remove_checkpoints(sdir: str, ckpt_file: str) -> None:
 
 def save_world1(ctx: Ctx, shape: str, sdir: str, port: int) -> dict:
     """Build the shape on 1 rank (FSDP2 over a 1-rank mesh), record its checksums and save
-    it with every system (untimed for the tables; seconds kept in the JSON)."""
+    it with every system (untimed for the tables; seconds kept in the JSON, with each
+    checkpoint loaded back and checked against those checksums: ``verified``; a failed
+    one keeps no seconds)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device, ctx.gloo = init_dist(0, 1, port, ctx.cfg.device, 1)
@@ -124,12 +127,14 @@ def save_world1(ctx: Ctx, shape: str, sdir: str, port: int) -> dict:
     t0 = now()
     sd, _ = build_state(shape, ctx.cfg, device, mesh)
     out = {"build_s": now() - t0}
+    ref = checksums(sd, True)
     with open(os.path.join(sdir, "ref_w1.json"), "w") as f:
-        json.dump(checksums(sd, True), f)
-    ckpt, out["save"] = {}, {}
+        json.dump(ref, f)
+    ckpt, out["save"], out["verified"] = {}, {}, {}
     for s in BENCH_SYSTEMS:
         ckpt[s] = os.path.join(ctx.cfg.dir, f"{shape}_{s}_w1")
-        out["save"][s] = ctx.measure(saver(ctx, s, sd, ckpt[s]))["seconds"]
+        rec = check_saved(ctx.measure(saver(ctx, s, sd, ckpt[s])), load_with(s, ckpt[s]), sd, ref, True)
+        out["save"][s], out["verified"][s] = rec["seconds"], rec["verified"]
     with open(os.path.join(sdir, "ckpt_w1.json"), "w") as f:
         json.dump(ckpt, f)
     return out
