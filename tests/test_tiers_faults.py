@@ -62,7 +62,8 @@ def test_another_runs_copies_are_not_restored(clusters, tmp_path):
     assert res == [None, None], res
     _run_save(clusters, 2, local, tmp_path / "run2", steps=(1,), persist_every=2, _nodes=N0)
     m = _manifest(local, "node0", 1)
-    assert m["run"] == str(tmp_path / "run2") or m["run"].endswith(str(tmp_path / "run2")), m["run"]
+    assert m["run"] == os.path.realpath(tmp_path / "run2"), m["run"]
+    assert sorted(os.listdir(local / "node0")) == ["step_00000001", "step_00000001.tier.json"]  # run1's: gone
     res = _restore(clusters, 2, local, tmp_path / "run2", persist_every=2, _nodes=N0)
     assert _ok(res, 1, "local"), res
 
@@ -140,3 +141,35 @@ def test_fetch_never_commits_bad_bytes(clusters, tmp_path):
     shutil.rmtree(persistent)
     res = _restore(clusters, 2, local, persistent, **kw)
     assert _ok(res, 1), res
+
+
+def test_manifests_follow_the_schema(clusters, tmp_path):
+    """Every manifest written (after a save, and after a fetch completed a copy) validates
+    against ``$defs/tierManifest``; its digests cover exactly the keys its files list, and
+    are what :func:`tiers.key_digest` computes from the stored bytes."""
+    from test_spec import assert_valid
+
+    from zarrckpt.api import tiers
+
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    kw = dict(persist_every=None, chunk_target_bytes=None, _nodes=N0)
+    _run_save(clusters, 2, local, persistent, steps=(1, 2), local_replicas=0, **kw)
+    res = _restore(clusters, 2, local, persistent, local_replicas=0, **kw)  # each fetches the other's keys
+    assert _ok(res, 2, "peers"), res
+    res = _restore(clusters, 2, local, tmp_path / "elsewhere", local_replicas=0, **kw)
+    assert res == [None, None], res  # a manager of another persistent root uses none of them
+    for node in N0:
+        for step in (1, 2):
+            m = _manifest(local, node, step)
+            assert_valid("tierManifest", m, f"{node} step {step}")
+            keys = {rel for files in m["files"].values() for rel, _ in files}
+            assert set(m["digests"]["keys"]) == keys
+            d = local / node / f"step_{step:08d}"
+            for rel in keys:
+                if rel in {f[0] for n in m["held"] for f in m["files"][n]}:
+                    assert tiers.key_digest(rel, directory=str(d)) == m["digests"]["keys"][rel], rel
+    bad = dict(_manifest(local, "node0", 2))
+    del bad["run"]
+    from test_spec import is_valid
+
+    assert not is_valid("tierManifest", bad)
