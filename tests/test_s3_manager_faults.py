@@ -13,6 +13,7 @@ import http.client
 import http.server
 import json
 import threading
+import time
 import urllib.parse
 
 import pytest
@@ -27,13 +28,17 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "te", 
 
 class FailingProxy:
     """Forwards every request to ``upstream``; a GET of a path in ``fail_paths`` is answered
-    ``503 SlowDown`` instead, counted in ``failed``."""
+    ``503 SlowDown`` instead, counted in ``failed``; with ``delete_delay``, DELETEs are served
+    one at a time, that long each (counted in ``deletes``)."""
 
     def __init__(self, upstream: str) -> None:
         url = urllib.parse.urlsplit(upstream)
         self.upstream = (url.hostname, url.port)
         self.fail_paths: set[str] = set()
         self.failed = 0
+        self.delete_delay = 0.0  # > 0: DELETEs served one at a time, this many seconds each
+        self.deletes = 0
+        delete_lock = threading.Lock()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -48,6 +53,10 @@ class FailingProxy:
                     proxy.failed += 1
                     self._send(503, [], b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>")
                     return
+                if self.command == "DELETE" and proxy.delete_delay > 0:  # a store that deletes slowly
+                    with delete_lock:
+                        time.sleep(proxy.delete_delay)
+                        proxy.deletes += 1
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=30)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}

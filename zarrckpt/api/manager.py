@@ -23,23 +23,32 @@ finds them again and a checkpoint copied elsewhere stays self-describing.
 Retention (rank 0): a committed step is kept if it is one of the last ``keep_last``, a
 multiple of ``keep_every``, one of the ``keep_best`` best by ``best_metric``
 (``best_mode`` ``"min"`` or ``"max"``), or the latest; every other committed step is
-deleted (un-committed first, spec §7.6), never a step being written. It runs
+deleted (un-committed first, spec §7.6), never a step being written. It runs in a
+background thread of rank 0 (no collectives)
 
-* after each commit: synchronous saves run it before ``save`` returns; async saves run
-  it in a background thread of rank 0 as soon as the save commits (no collectives);
-* at a manager's first ``save``, before it starts, on what is on storage (a job killed
-  after its saves leaves no more than the bound below to the next one);
-* and each ``save`` first waits for the previous commit's retention to finish.
+* after each commit: synchronous saves wait for it before ``save`` returns; async saves
+  queue it as soon as the save commits;
+* at a manager's first ``save``, on what is on storage (a job killed after its saves
+  leaves no more than the bound below to the next one), while that save goes on.
 
-So at any moment the committed steps that no ``keep_every``/``keep_best`` rule keeps
-number at most ``keep_last + 1`` (the last ``keep_last`` and one just committed whose
-retention has not run yet), whether the job runs on or is killed after every save.
+No retention or deletion sits where the other ranks wait for rank 0 to enter a call: a
+save never waits for the previous commit's retention (slow deletes make it late, never
+the save fail; commits meanwhile queue one more run, not one each). So the committed
+steps that no ``keep_every``/``keep_best`` rule keeps number at most ``keep_last + 1``
+(the last ``keep_last`` and one just committed whose retention has not run yet) as long
+as deleting keeps up with saving, whether the job runs on or is killed after every save.
+
+Decisions every rank must share are made once by rank 0 and broadcast (after an entry
+check): whether ``save`` overwrites its step (an interrupted save of it) or refuses (a
+committed one), and which step ``restore()`` loads. No rank acts on its own read of a
+root that rank 0's retention may change in between.
 
 Leftovers of saves that died (hidden directories, pending claims, lock files; spec
 §7.5) are removed on file systems in the background when the manager is constructed
 and with every retention, only once their writer is known to be gone (its lock is
 free): a live save of another job under the same root is never touched. On object
-stores retention deletes interrupted (pending) steps this manager is not writing: a
+stores retention deletes interrupted (pending) steps older than the newest committed one
+that this manager is not writing (a newer one is left to the save that replaces it): a
 root there must be written by one job at a time.
 """
 
@@ -82,6 +91,9 @@ def _check_root(root: Any, what: str) -> None:
         raise ValueError(f"{what} {text!r} begins or ends with white space; pass {text.strip()!r} if "
                          "that is what you meant")
 
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 class CheckpointManager:
@@ -169,6 +181,9 @@ class CheckpointManager:
         self._closed = False
         self._lock = threading.Lock()
         self._writing: set[int] = set()  # steps whose save has not ended yet
+        self._deleting: set[int] = set()  # steps retention is deleting now (rank 0)
+        self._changed = threading.Condition(self._lock)  # a deletion ended
+        self._retain_queued = False  # a retention run is queued, not started
         self._retained = False  # retention ran at least once (the first save runs it first)
         self._background: cf.ThreadPoolExecutor | None = None  # rank 0: retention, cleaning
         self._tasks: list[cf.Future] = []
@@ -266,20 +281,15 @@ class CheckpointManager:
         with self._lock:
             if step in self._writing:
                 raise CheckpointExistsError(f"step {step} is being saved already under {self.root!r}")
-        self._collect()
-        self._before_save()
-        existing, _ = self._root_state(fmt.step_name(step))
-        if existing == "committed" and not overwrite:
-            raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
-                                        "(pass overwrite=True to replace it)")
-        overwrite = overwrite or existing == "pending"  # an interrupted save of this step
-        meta = {"step": step, "metrics": dict(metrics or {})}
-        kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
-                      metadata=meta)
-        path = self.storage.child(fmt.step_name(step))
-        with self._lock:
-            self._writing.add(step)
+            self._writing.add(step)  # from here on retention leaves this step alone
         try:
+            self._collect()
+            self._before_save(step)
+            overwrite = bool(self._decide("CheckpointManager.save", lambda: self._overwrite(step, overwrite)))
+            meta = {"step": step, "metrics": dict(metrics or {})}
+            kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
+                          metadata=meta)
+            path = self.storage.child(fmt.step_name(step))
             if self.async_save:
                 from .async_save import async_save
 
@@ -300,11 +310,9 @@ class CheckpointManager:
             return fut
         with self._lock:
             self._writing.discard(step)
-        try:
-            self._retain()
-        except Exception as e:  # noqa: BLE001 - the step has committed: retention must not undo that
-            log.warning("zarrckpt: retention after step %d under %s failed (the step is saved): %s",
-                        step, self.root, e)
+        if self._rank0():  # in the retention thread, after the first save's (errors are logged)
+            self._queue_retention()
+            self._wait_background()
         from ..distributed import group as zdist
 
         zdist.group(self.process_group).all_true(True)  # every rank sees retention done
@@ -331,15 +339,54 @@ class CheckpointManager:
             return x
         return {self.model_key: cast(model)}
 
-    def _before_save(self) -> None:
-        """Rank 0: wait for the async save in flight and its retention (so that at most one
-        committed step awaits retention); at the first save, apply retention to what is on
-        storage (a killed job's saves)."""
+    def _before_save(self, step: int) -> None:
+        """Rank 0, before the save's entry check, where the other ranks may already wait:
+        nothing here waits for storage (spec C.7). The manager's first save queues retention
+        of what is on storage (a killed job's saves) in the background; the previous commit's
+        retention is not waited for (slow deletes make it late, never the save). ``step`` is
+        in ``_writing`` already, so retention leaves it alone; only if retention is deleting
+        that very step at this moment (a save of an old or interrupted step number) does
+        this wait for that one deletion: writing into a step being deleted would lose data."""
         if not self._rank0():
             return
-        self._wait_background()  # async_save would wait for the save in flight anyway
         if not self._retained:
-            self._retain()
+            self._retained = True
+            self._queue_retention()
+        with self._changed:
+            while step in self._deleting:
+                self._changed.wait()
+
+    def _overwrite(self, step: int, overwrite: bool) -> int:
+        """Rank 0's decision for ``save(step)``: 1 to overwrite (asked for, or the step holds
+        an interrupted save), 0 not to; a committed step without ``overwrite`` is an error."""
+        existing, _ = self._root_state(fmt.step_name(step))
+        if existing == "committed" and not overwrite:
+            raise CheckpointExistsError(f"step {step} is already saved under {self.root!r} "
+                                        "(pass overwrite=True to replace it)")
+        return int(overwrite or existing == "pending")  # pending: an interrupted save of this step
+
+    def _decide(self, what: str, decide: Any) -> int:
+        """A decision every rank must share, made once: rank 0 runs ``decide()`` (a
+        non-negative int from its own reads of storage) and every rank gets its value, after
+        an entry check (every rank is in the call, so the all-reduce that carries the value
+        waits only for rank 0's reads). No rank acts on its own read of a root that rank 0's
+        retention may change in between. Rank 0's error is raised on every rank."""
+        from ..distributed import group as zdist
+
+        g = zdist.group(self.process_group)
+        if not g.active:
+            return decide()
+        g.enter(what)
+        value, error = 0, None
+        if g.rank == 0:
+            try:
+                value = int(decide())
+            except BaseException as e:  # noqa: BLE001 - every rank raises it below
+                error = e
+        ok, _, (value,) = g.check(error is None, [], [value])
+        if not ok:
+            g.agree(error, f"{what} under {self.root!r}", StorageError)
+        return value
 
     def _after_async_save(self, step: int, handed_off: threading.Event) -> None:
         """In the async save's thread, once it committed or failed: retention, in the
@@ -348,9 +395,18 @@ class CheckpointManager:
             with self._lock:
                 self._writing.discard(step)
             if self._rank0():
-                self._in_background(self._retain)
+                self._queue_retention()
         finally:
             handed_off.set()
+
+    def _queue_retention(self) -> None:
+        """Rank 0: run retention in the background thread, unless a run is queued that has
+        not started yet (it will see this commit too: slow retention does not pile up)."""
+        with self._lock:
+            if self._retain_queued:
+                return
+            self._retain_queued = True
+        self._in_background(self._retain)
 
     def _collect(self) -> None:
         """Forget async saves that finished, logging those that failed."""
@@ -388,12 +444,15 @@ class CheckpointManager:
         cf.wait(tasks)
 
     def _retain(self) -> None:
-        """Rank 0: retire what retention does not keep; remove dead saves' leftovers."""
+        """Rank 0: retire what retention does not keep; remove dead saves' leftovers. Runs in
+        the retention thread (or tiers' worker), while saves go on: a step is deleted only if
+        no save of it has begun (checked under the lock just before, the step then marked as
+        being deleted, so that a save of it waits: :meth:`_before_save`)."""
         if not self._rank0():
             return
         self._retained = True
         with self._lock:
-            writing = set(self._writing)
+            self._retain_queued = False  # a commit from now on queues another run
         try:
             scan = self._scan()
         except Exception as e:  # noqa: BLE001 - an unreadable root: deleting on a partial view is unsafe
@@ -401,14 +460,29 @@ class CheckpointManager:
             return
         committed = sorted(s for s, (state, _, _) in scan.items() if state == "committed")
         keep = set(self._kept(committed, scan))
-        for s, (state, _, name) in scan.items():
-            if s in writing or s in keep:
+        for s, (state, _, name) in sorted(scan.items()):
+            if s in keep:
                 continue
             if state == "committed":
-                self._delete(name, retire=True)
-            elif state in ("pending", "absent") and not self.storage.can_rename:
-                # object stores: an interrupted save (or a half-deleted step) of this root's job
-                self._delete(name, retire=False)
+                retire = True
+            elif (state in ("pending", "absent") and not self.storage.can_rename and committed
+                  and s < committed[-1]):
+                # object stores: an interrupted save (or a half-deleted step) of this root's job,
+                # older than its newest step; a newer one is left to the save that will
+                # replace it (a restarted job saves that step again, with overwrite)
+                retire = False
+            else:
+                continue
+            with self._lock:
+                if s in self._writing:
+                    continue
+                self._deleting.add(s)
+            try:
+                self._delete(name, retire=retire)
+            finally:
+                with self._changed:
+                    self._deleting.discard(s)
+                    self._changed.notify_all()
         if self.storage.can_rename:  # file systems: pending claims and hidden directories, if dead
             try:
                 self._clean_leftovers()
@@ -468,8 +542,9 @@ class CheckpointManager:
                 return found
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier (local, peers, {self.root!r})")
-        if step is None:
-            step = self.latest_step()
+        if step is None:  # rank 0's listing, for every rank (steps may commit meanwhile)
+            found = self._decide("CheckpointManager.restore", lambda: 1 + _or(self.latest_step(), -1))
+            step = None if found == 0 else found - 1
             if step is None:
                 if self.initial_load_path is None:
                     return None
