@@ -196,6 +196,11 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
             error = run.plan(defer_tree=True, arena=arena)
             if error is None:
                 error = run.stage(arena, overlap=overlap)
+            if error is None and run.options.check_replicas:
+                try:  # the values at the call (the background compares them at C0)
+                    run.replica_crcs = run._plain_crcs()
+                except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                    error = e
         what = f"planning and staging the save to {run.url!r}"
         ok, (plain_same,), _ = run.g.check(error is None, [run.plain_digest() if error is None else b""])
         if not ok:

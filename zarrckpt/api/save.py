@@ -47,6 +47,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import crc32c
 import numpy as np
 import torch
 
@@ -96,6 +97,13 @@ class SaveOptions:
     entry_timeout: seconds every rank waits at the start of the save for the others to
         call it too, before it raises a DistributedError naming the ranks that did not
         (None: ``ZARRCKPT_ENTRY_TIMEOUT`` or 300 s; never more than the group's timeout).
+    check_replicas: also compare the values of plain leaves (tensors, arrays, bytes that
+        are not DTensors) across the ranks that hold them: one CRC-32C per leaf and rank,
+        gathered once; different values are refused before anything is written, naming
+        the keys and ranks (for debugging runs: it reads every plain leaf once, copying
+        device ones to the host). Without it, a plain leaf is taken to be the same on every
+        rank that holds it and one of them writes it; ranks whose plain leaves of one key
+        differ in shape or dtype are always refused.
 
     compression, inner_chunk_bytes, replica_split_bytes, pack_bytes and chunk_target_bytes decide what
     lands on storage: every rank must pass the same values (ranks that disagree are
@@ -111,6 +119,7 @@ class SaveOptions:
     max_inflight_bytes: int = 256 << 20
     storage: StorageOptions = field(default_factory=StorageOptions)
     entry_timeout: float | None = None
+    check_replicas: bool = False
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> SaveOptions:
@@ -133,6 +142,8 @@ class SaveOptions:
                 "(zarr-python, xarray, TensorStore see only byte arrays under .packs/). Small "
                 "leaves are their own arrays by default; grouped chunks (chunk_target_bytes) keep "
                 "the object count low", FutureWarning, stacklevel=4)
+        if not isinstance(opts.check_replicas, bool):
+            raise ValueError(f"check_replicas must be True or False, not {opts.check_replicas!r}")
         if opts.entry_timeout is not None and not (
                 isinstance(opts.entry_timeout, (int, float)) and opts.entry_timeout > 0):
             raise ValueError(f"entry_timeout must be a number of seconds > 0, not {opts.entry_timeout!r}")
@@ -188,6 +199,7 @@ class SaveRun:
         self.assembled: dict[str, dict[tuple[int, ...], np.ndarray]] = {}  # chunks built by exchange
         self.staged: dict[str, np.ndarray] = {}  # async: host copies of local data
         self.staged_event: Any = None  # async, CUDA: recorded when the side-stream copies end
+        self.replica_crcs: dict[str, int] | None = None  # check_replicas, async: taken at the call
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
         self.bytes_staged = 0
@@ -250,8 +262,8 @@ class SaveRun:
         if self.location is not None:
             where = self.location.identity()
         # metadata is not here: like non-tensor values it is rank 0's (ranks' metrics differ)
-        return json.dumps([where, self.overwrite, asdict(self.options.plan)], sort_keys=True,
-                          default=str).encode()
+        return json.dumps([where, self.overwrite, asdict(self.options.plan), self.options.check_replicas],
+                          sort_keys=True, default=str).encode()
 
     def agree(self, error: BaseException | None) -> None:
         """C0: planning succeeded everywhere, ranks agree on path and options; merge trees
@@ -275,7 +287,7 @@ class SaveRun:
             raise SaveFailedError(
                 "ranks disagree on the path or on options that decide what is stored (every rank "
                 "must pass the same path, overwrite, compression, inner_chunk_bytes, "
-                "replica_split_bytes, pack_bytes and chunk_target_bytes): "
+                "replica_split_bytes, pack_bytes, chunk_target_bytes and check_replicas): "
                 + "; ".join(f"rank {r}: {v}" for r, v in enumerate(views)) + "; nothing was written")
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
         self.created = fmt.utc_from_us(ids[2])
@@ -286,13 +298,13 @@ class SaveRun:
         if not same and not self.restricted:
             # Slow path (e.g. pipeline stages hold different keys): plain arrays are
             # written by the ranks that hold them; rank 0 merges the trees in prepare().
-            held = self.g.all_gather(sorted(p.key for p in self.arrays if p.kind in ("tensor", "ndarray",
-                                                                                     "bytes", "bytesio")))
+            held = _held_plain(self.g.all_gather(self._plain_specs()), self.g.size)
             self.arrays = [
-                restrict_to_holders(p, [r for r, keys in enumerate(held) if p.key in keys], self.g,
-                                    self.options.plan)
-                if p.kind in ("tensor", "ndarray", "bytes", "bytesio") else p
+                restrict_to_holders(p, held[p.key], self.g, self.options.plan)
+                if p.kind in _PLAIN_KINDS else p
                 for p in self.arrays]
+        if self.options.check_replicas:
+            _check_replica_values(self.g.all_gather(self._plain_crcs()))
         self.all_docs = {p.key: p.metadata for p in self.arrays}
         if not same:
             self.gathered = self.g.gather_to_root((self.tree, self.all_docs))
@@ -471,7 +483,7 @@ class SaveRun:
         ``async_save`` returns (the caller may change its state at once). Collective."""
         global _STAGED
         try:
-            held = self.g.all_gather(sorted(p.key for p in self.arrays if p.kind in _PLAIN_KINDS))
+            held = _held_plain(self.g.all_gather(self._plain_specs()), self.g.size)
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller
             return e
         try:
@@ -479,8 +491,7 @@ class SaveRun:
             for i, p in enumerate(self.arrays):
                 if p.kind not in _PLAIN_KINDS:
                     continue
-                new = restrict_to_holders(p, [r for r, keys in enumerate(held) if p.key in keys], self.g,
-                                          self.options.plan)
+                new = restrict_to_holders(p, held[p.key], self.g, self.options.plan)
                 if (new.writes or new.sends) and p.key not in self.staged:
                     src = p.source if p.source is not None else local_data(self.leaf_sources[order[i]])
                     host = src.detach().to("cpu", copy=True) if isinstance(src, torch.Tensor) else np.array(src)
@@ -494,6 +505,31 @@ class SaveRun:
         except BaseException as e:  # noqa: BLE001
             return e
         return None
+
+    def _plain_specs(self) -> list[tuple[str, list[int], str]]:
+        """(key, shape, data type) of every plain array this rank holds (see _held_plain)."""
+        return sorted((p.key, list(p.layout.shape), p.dtype.zarr) for p in self.arrays if p.kind in _PLAIN_KINDS)
+
+    def _plain_crcs(self) -> dict[str, int]:
+        """CRC-32C of the bytes of every plain array this rank holds (``check_replicas``).
+        Async saves take them before async_save returns (:attr:`replica_crcs`): the values
+        at the call."""
+        if self.replica_crcs is not None:
+            return self.replica_crcs
+        if self.staged_event is not None:  # staged host copies of device leaves: complete them
+            self.staged_event.synchronize()
+        order = leaf_order(self.plan_token) if self.leaf_sources is not None else {}
+        out = {}
+        for i, p in enumerate(self.arrays):
+            if p.kind not in _PLAIN_KINDS:
+                continue
+            src = p.source if p.source is not None or i not in order else local_data(self.leaf_sources[order[i]])
+            if src is None:
+                continue
+            if isinstance(src, torch.Tensor):
+                src = dtypes.to_numpy(src.detach().cpu().contiguous())
+            out[p.key] = crc32c.crc32c(memoryview(np.ascontiguousarray(src)).cast("B"))
+        return out
 
     def _needs_data(self, p: ArrayPlan) -> bool:
         """Does this rank write a chunk of ``p`` straight from its own local data?"""
@@ -974,6 +1010,49 @@ def _merge_into(a: dict, b: dict) -> None:
                     f"map to the same stored name {ztree.escape(k)!r}")
             else:
                 _merge_into(mine[1], node)
+
+
+def _held_plain(specs: list[list], size: int) -> dict[str, list[int]]:
+    """The ranks holding each plain array, from every rank's (key, shape, data type) list.
+    A plain leaf (not a DTensor) is stored once, from one of the ranks that hold it: ranks
+    whose leaves of one key differ in shape or data type are refused (before anything is
+    written) rather than having one of them stored silently."""
+    held: dict[str, list[int]] = {}
+    seen: dict[str, dict[tuple, list[int]]] = {}
+    for r, rank_specs in enumerate(specs):
+        for key, shape, dt in rank_specs:
+            held.setdefault(key, []).append(r)
+            seen.setdefault(key, {}).setdefault((tuple(shape), dt), []).append(r)
+    bad = {k: v for k, v in seen.items() if len(v) > 1}
+    if bad:
+        lines = [f"{k!r}: " + ", ".join(f"{list(shape)} {dt} on rank(s) {_ranks(rs)}" for (shape, dt), rs in v.items())
+                 for k, v in sorted(bad.items())[:8]]
+        raise UnsupportedValueError(
+            f"ranks hold different plain tensors under the same key ({len(bad)} key(s)): " + "; ".join(lines)
+            + ". A plain tensor is saved once, as the same value on every rank that holds it; a tensor "
+            "sharded across ranks must be a DTensor (e.g. DTensor.from_local(t, mesh, [Shard(0)]) instead "
+            "of dtensor.to_local()), and per-rank values need per-rank keys; nothing was written")
+    return held
+
+
+def _check_replica_values(crcs: list[dict[str, int]]) -> None:
+    """``check_replicas``: every rank that holds a plain leaf holds the same bytes."""
+    by_key: dict[str, dict[int, list[int]]] = {}
+    for r, mine in enumerate(crcs):
+        for k, c in mine.items():
+            by_key.setdefault(k, {}).setdefault(c, []).append(r)
+    bad = sorted(k for k, v in by_key.items() if len(v) > 1)
+    if bad:
+        parts = [f"{k!r} (" + " / ".join(f"rank(s) {_ranks(rs)}" for rs in by_key[k].values()) + ")"
+                 for k in bad[:8]]
+        raise UnsupportedValueError(
+            f"check_replicas: {len(bad)} plain leaf/leaves differ between the ranks that hold them: "
+            + ", ".join(parts) + ". A plain tensor is saved once from one rank: make per-rank values "
+            "per-rank keys, or sharded tensors DTensors; nothing was written")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs[:6])) + (f" and {len(rs) - 6} more" if len(rs) > 6 else "")
 
 
 def plan_and_prepare(run: SaveRun) -> None:

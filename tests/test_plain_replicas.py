@@ -1,0 +1,90 @@
+"""Plain tensors are saved once, from one of the ranks that hold them (issue 28 item 8).
+
+Ranks whose plain leaves of one key differ in shape or dtype (a per-rank tensor, or a
+``dtensor.to_local()`` of uneven shards, passed where a DTensor was meant) are refused on
+every rank before anything is written, naming the key and the ranks and suggesting a
+DTensor; ``check_replicas=True`` also compares their values (one CRC-32C per leaf and
+rank), for debugging runs. Before the fix the first case stored rank 0's tensor and
+reported success.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zarrckpt
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except zarrckpt.ZarrckptError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def w_refused(rank, world, path, case, use_async):
+    """Every rank saves a state whose plain leaf ``w`` differs between ranks; returns what
+    the save raised and whether anything is at the path."""
+    if case == "shape":
+        state = {"w": torch.full((rank + 1, 2), float(rank)), "same": torch.ones(3)}
+    elif case == "dtype":
+        state = {"w": torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64), "same": torch.ones(3)}
+    elif case == "values":
+        state = {"w": torch.full((2, 2), float(rank)), "same": torch.ones(3)}
+    else:  # values that agree
+        state = {"w": torch.full((2, 2), 5.0), "same": torch.ones(3)}
+    check = case in ("values", "agree")
+
+    def run():
+        if use_async:
+            zarrckpt.async_save(state, path, check_replicas=check).result(timeout=60)
+        else:
+            zarrckpt.save(state, path, check_replicas=check)
+
+    out = _outcome(run)
+    import torch.distributed as dist
+    dist.barrier()
+    return out, os.path.exists(path) and bool(os.listdir(path)) if os.path.isdir(path) else os.path.exists(path)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+@pytest.mark.parametrize("case", ["shape", "dtype", "values"])
+def test_plain_leaves_that_differ_are_refused(clusters, tmp_path, case, use_async):
+    path = str(tmp_path / f"{case}-{use_async}")
+    results = clusters(2).run(w_refused, path, case, use_async)
+    for msg, exists in results:
+        assert "'w'" in msg, msg
+        assert "DTensor" in msg and "nothing was written" in msg, msg
+        assert not exists, f"{path} was written"
+        if case != "values":
+            assert "rank(s) 0" in msg and "rank(s) 1" in msg, msg
+            assert "'same'" not in msg, msg
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+def test_check_replicas_passes_equal_values(clusters, tmp_path, use_async):
+    path = str(tmp_path / "agree")
+    results = clusters(2).run(w_refused, path, "agree", use_async)
+    assert [m for m, _ in results] == ["ok", "ok"]
+    assert torch.equal(zarrckpt.load_state_dict(path)["w"], torch.full((2, 2), 5.0))
+
+
+def test_values_that_differ_are_saved_from_one_rank_without_the_check(clusters, tmp_path):
+    """The documented default: no value check (it would read every plain leaf); a plain
+    leaf is taken to be the same on every rank that holds it."""
+    path = str(tmp_path / "unchecked")
+    assert clusters(2).run(w_unchecked, path) == ["ok", "ok"]
+    assert zarrckpt.load_state_dict(path)["w"].shape == (2, 2)
+
+
+def w_unchecked(rank, world, path):
+    return _outcome(lambda: zarrckpt.save({"w": torch.full((2, 2), float(rank))}, path))
+
+
+def test_check_replicas_is_validated():
+    with pytest.raises(ValueError, match="check_replicas"):
+        zarrckpt.save({"w": torch.ones(1)}, "/nonexistent/never", check_replicas="yes")
