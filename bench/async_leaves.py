@@ -14,6 +14,14 @@ warm up, then ``--reps`` later saves, the two systems alternating:
   True)`` (pinned, reused staging; it copies before returning, so blocked = staged) and
   ``FileSystemWriter(thread_count=4)``.
 
+Every timed save is verified: the state's checksums are taken at the call (untimed), the
+state is overwritten with garbage at the point where it may change (zarrckpt: when
+``wait_staged()`` returns; DCP: when its call returns) and restored after the commit, and
+the checkpoint is loaded back and compared (``harness.verify_checkpoint``). A save whose
+checkpoint does not hold the values at the call reports no time (``verified: false``) and
+is left out of the medians; ``total`` runs to the commit (a done-callback), so the
+overwrite is not counted. The ``--step`` and ``--trace`` saves are verified the same way.
+
 Each zarrckpt record also has the save report's ``plan`` and ``stage`` seconds; ``--profile``
 prints a cProfile of 5 more later saves per leaf count. Also the copy bound: one ``copy_`` of the same bytes from the device into a pinned host
 buffer (CUDA), or a memcpy (CPU). Prints a table and writes every number to JSON.
@@ -38,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import zarrckpt
+from harness import Commit, checksums, drop_times, load_with, scramble, verify_checkpoint
 from zarrckpt.distributed.staging import shared_arena
 from zarrckpt.planning.plan import local_view
 
@@ -68,15 +77,31 @@ def copy_bound(nbytes: int, device: torch.device, reps: int) -> float:
     return statistics.median(out[1:])
 
 
+def verified(rec: dict, system: str, sd: dict, path: str, ref: dict) -> dict:
+    """After the commit (untimed): the state restored as it was at the call (the second
+    ``scramble`` undoes the first), the checkpoint loaded back by ``system`` and compared
+    with ``ref``; a wrong one keeps no time."""
+    sync(next(iter(sd["model"].values())).device)
+    rec["restore_s"] = scramble(sd)
+    v = verify_checkpoint(load_with(system, path), sd, ref, True)
+    rec["verify_s"] = v.pop("verify_s")
+    rec.update(v)
+    return drop_times(rec)
+
+
 def zarrckpt_save(sd: dict, path: str) -> dict:
+    ref = checksums(sd, True)  # the values at the call (untimed)
     t0 = time.perf_counter()
     fut = zarrckpt.async_save(sd, path)
     t1 = time.perf_counter()
+    done = Commit(fut)
     fut.wait_staged()
     t2 = time.perf_counter()
+    overwrite = scramble(sd)  # the state may change now
     report = fut.result()
-    return {"blocked": t1 - t0, "staged": t2 - t0, "total": time.perf_counter() - t0,
-            **{f"phase_{k}": v for k, v in report["seconds"].items() if k in ("plan", "stage")}}
+    rec = {"blocked": t1 - t0, "staged": t2 - t0, "total": done.at - t0, "overwrite_s": overwrite,
+           **{f"phase_{k}": v for k, v in report["seconds"].items() if k in ("plan", "stage")}}
+    return verified(rec, "zc", sd, path, ref)
 
 
 def dcp_start(sd: dict, path: str, stager):
@@ -86,11 +111,29 @@ def dcp_start(sd: dict, path: str, stager):
 
 
 def dcp_save(sd: dict, path: str, stager) -> dict:
+    ref = checksums(sd, True)
     t0 = time.perf_counter()
     fut = dcp_start(sd, path, stager)
     t1 = time.perf_counter()
+    done = Commit(fut)
+    overwrite = scramble(sd)  # its stager copied before returning: the state may change now
     fut.result()
-    return {"blocked": t1 - t0, "staged": t1 - t0, "total": time.perf_counter() - t0}
+    rec = {"blocked": t1 - t0, "staged": t1 - t0, "total": done.at - t0, "overwrite_s": overwrite}
+    return verified(rec, "dcp", sd, path, ref)
+
+
+def medians(recs: list[dict]) -> dict:
+    """Medians of the verified records' numbers (None where none verified), with counts."""
+    ok = [r for r in recs if r.get("verified")]
+    keys = list(dict.fromkeys(k for r in recs for k, v in r.items()
+                              if (v is None or isinstance(v, (int, float))) and not isinstance(v, bool)
+                              and k != "wrong_count"))
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    out.update(verified=len(ok), unverified=len(recs) - len(ok))
+    return out
 
 
 def trace(sd: dict, where: str, n: int) -> dict:
@@ -131,6 +174,7 @@ def trace(sd: dict, where: str, n: int) -> dict:
         for rep in range(5):
             marks.clear()
             path = os.path.join(where, f"traced_{n}_{rep}")
+            ref = checksums(sd, True)
             torch.cuda.synchronize()
             call = torch.cuda.Event(enable_timing=True)
             call.record()  # the device is idle: this is the call's time on the device's clock
@@ -139,15 +183,16 @@ def trace(sd: dict, where: str, n: int) -> dict:
             t1 = time.perf_counter()
             fut.wait_staged()
             t2 = time.perf_counter()
+            scramble(sd)  # the state may change now (after the events above were recorded)
             fut.result()
-            shutil.rmtree(path, ignore_errors=True)
             rec = {"blocked": t1 - t0, "staged": t2 - t0, "stage_end": marks["stage_end"] - t0}
             if "ev0" in marks:
                 rec["first_issue"] = marks["first_issue"] - t0
                 rec["gpu"] = marks["ev0"].elapsed_time(marks["ev1"]) / 1e3
                 rec["gpu_from_call"] = call.elapsed_time(marks["ev1"]) / 1e3
                 rec["feed_host"] = marks["feed_host"]
-            recs.append(rec)
+            recs.append(verified(rec, "zc", sd, path, ref))
+            shutil.rmtree(path, ignore_errors=True)
     finally:
         _save._Feed.__call__, _save.SaveRun.stage = real_call, real_stage
     st = _save._STAGED
@@ -172,7 +217,7 @@ def trace(sd: dict, where: str, n: int) -> dict:
         if step is st.steps[-1]:
             st.finish(by_pos, arena, [])
 
-    out = {k: statistics.median(r[k] for r in recs) for k in recs[0]}
+    out = medians(recs)
     for name, fn in (("replay", issue),
                      ("replay_gathers", gathers), ("replay_d2h", d2h)):
         times, host = [], []
@@ -191,8 +236,9 @@ def trace(sd: dict, where: str, n: int) -> dict:
         out[name] = statistics.median(times)
         out[name + "_host"] = statistics.median(host)
     out["steps"] = len(st.steps)
-    print(f"trace {n} leaves (median of 5, ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in out.items()
-                                                            if k != "steps") + f"; {out['steps']} steps")
+    print(f"trace {n} leaves (median of {out['verified']} verified of 5, ms): " + ", ".join(
+        f"{k} {v * 1e3:.2f}" for k, v in out.items() if k not in ("steps", "verified", "unverified") and v is not None)
+        + f"; {out['steps']} steps" + (f"; {out['unverified']} VERIFY FAILED, dropped" if out["unverified"] else ""))
     return out
 
 
@@ -251,7 +297,8 @@ def step_delay(sd: dict, where: str, n: int, stager, reps: int) -> dict:
         rec = {"wall": time.perf_counter() - t0, "host_call": t1 - t0, "host_queued": t2 - t0,
                **{name: ev[0].elapsed_time(e) / 1e3 for name, e in zip(("dev_mm_start", "dev_mm_end", "dev_end"),
                                                                         ev[1:])}}
-        if fut is not None:
+        if fut is not None:  # the update changed the state; overwrite the rest too (untimed)
+            rec["overwrite_s"] = scramble(sd)
             fut.result()
         return rec
 
@@ -270,19 +317,33 @@ def step_delay(sd: dict, where: str, n: int, stager, reps: int) -> dict:
             shutil.rmtree(path, ignore_errors=True)
             base = step()
             before, after = kinds[name]
+            ref = checksums(sd, True)  # the values at the call (the step's update changes them)
             with_save = step(before(path), after)
+            system = "dcp" if name.startswith("dcp") else "zc"
+            rec = {"delay": with_save["wall"] - base["wall"], **{f"base_{x}": v for x, v in base.items()},
+                   **with_save}
+            rec = verified(rec, system, sd, path, ref)
+            if rec["verified"] is False:  # a delay measured with a wrong checkpoint is no delay
+                rec.setdefault("unverified_times", {}).update({x: rec[x] for x in ("delay", "wall", "host_call",
+                                                                                    "host_queued")})
+                for x in ("delay", "wall", "host_call", "host_queued", "dev_mm_start", "dev_mm_end", "dev_end"):
+                    rec[x] = None
             if rep:
-                delays[name].append({"delay": with_save["wall"] - base["wall"],
-                                     **{f"base_{x}": v for x, v in base.items()}, **with_save})
+                delays[name].append(rec)
             shutil.rmtree(path, ignore_errors=True)
     for name, d in delays.items():
-        out[name] = {x: statistics.median(r[x] for r in d) for x in d[0]}
+        out[name] = medians(d)
         out[name]["raw"] = d
-    print(f"step delay {n} leaves ({k} matmuls; median of {reps}, ms): " + "; ".join(
-        f"{name} {out[name]['delay'] * 1e3:.1f} (call {out[name]['host_call'] * 1e3:.1f}, queued "
-        f"{out[name]['host_queued'] * 1e3:.1f}, device: matmuls {out[name]['dev_mm_start'] * 1e3:.1f}-"
-        f"{out[name]['dev_mm_end'] * 1e3:.1f}, end {out[name]['dev_end'] * 1e3:.1f}; without a save "
-        f"{out[name]['base_dev_end'] * 1e3:.1f})" for name in delays))
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f}"
+    print(f"step delay {n} leaves ({k} matmuls; median of the verified of {reps}, ms): " + "; ".join(
+        f"{name} {ms(out[name]['delay'])} (call {ms(out[name]['host_call'])}, queued "
+        f"{ms(out[name]['host_queued'])}, device: matmuls {ms(out[name]['dev_mm_start'])}-"
+        f"{ms(out[name]['dev_mm_end'])}, end {ms(out[name]['dev_end'])}; without a save "
+        f"{ms(out[name]['base_dev_end'])}; {out[name]['verified']} verified"
+        + (f", {out[name]['unverified']} VERIFY FAILED" if out[name]["unverified"] else "") + ")"
+        for name in delays))
     return out
 
 
@@ -337,33 +398,47 @@ def main() -> None:
             import cProfile
             import pstats
             prof = cProfile.Profile()
+            checked = []
             for rep in range(5):
                 path = os.path.join(a.dir, f"profiled_{n}_{rep}")
+                ref = checksums(sd, True)
                 prof.enable()
                 fut = zarrckpt.async_save(sd, path)
                 prof.disable()
+                fut.wait_staged()
+                scramble(sd)
                 fut.result()
+                checked.append(verified({}, "zc", sd, path, ref)["verified"])
                 shutil.rmtree(path, ignore_errors=True)
-            print(f"--- {n} leaves: 5 later async_save calls under cProfile")
+            print(f"--- {n} leaves: 5 later async_save calls under cProfile "
+                  f"({sum(checked)} of 5 checkpoints verified)")
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
-        results["leaves"][n] = {s: {k: statistics.median(r[k] for r in recs) for k in recs[0]}
-                                for s, recs in runs.items()}
+        results["leaves"][n] = {s: medians(recs) for s, recs in runs.items()}
         results["leaves"][n]["raw"] = runs
         zarrckpt.release_staging()
         del sd, stager
     print(f"device {results['device']}, {a.mib} MiB, copy bound {bound * 1e3:.1f} ms "
           f"({nbytes / bound / 1e9:.1f} GB/s)")
-    print("| leaves | zarrckpt blocked | zarrckpt staged | staged % of copy bound | DCP cached stager blocked |")
-    print("|---|---|---|---|---|")
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+    def checked(r):
+        return f"{r['verified']} of {r['verified'] + r['unverified']}" + (" (VERIFY FAILED: times dropped)"
+                                                                          if r["unverified"] else "")
+    print("| leaves | zarrckpt blocked | zarrckpt staged | staged % of copy bound | DCP cached stager blocked "
+          "| verified zarrckpt / DCP |")
+    print("|---|---|---|---|---|---|")
     for n, r in results["leaves"].items():
         z, d = r["zarrckpt"], r["dcp_cached_stager"]
-        print(f"| {n} | {z['blocked'] * 1e3:.1f} ms | {z['staged'] * 1e3:.1f} ms | {bound / z['staged'] * 100:.0f} % "
-              f"| {d['blocked'] * 1e3:.1f} ms |")
+        pct = "-" if z["staged"] is None else f"{bound / z['staged'] * 100:.0f} %"
+        print(f"| {n} | {ms(z['blocked'])} | {ms(z['staged'])} | {pct} | {ms(d['blocked'])} "
+              f"| {checked(z)} / {checked(d)} |")
     ns = list(results["leaves"])
     if len(ns) >= 2:
         lo, hi = results["leaves"][ns[0]]["zarrckpt"], results["leaves"][ns[-1]]["zarrckpt"]
-        print(f"blocked {ns[-1]} / {ns[0]} leaves: {hi['blocked'] / lo['blocked']:.2f}x; "
-              f"staged: {hi['staged'] / lo['staged']:.2f}x")
+        if None not in (lo["blocked"], hi["blocked"]):
+            print(f"blocked {ns[-1]} / {ns[0]} leaves: {hi['blocked'] / lo['blocked']:.2f}x; "
+                  f"staged: {hi['staged'] / lo['staged']:.2f}x")
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                 f"async-leaves-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
