@@ -172,7 +172,7 @@ class StridedReader:
         if span * isz <= max(self.limit, out.nbytes) or out.size == 1:
             buf = np.empty(span, dtype=self.dtype)
             self.f.read_into(memoryview(buf.view(np.uint8)), self.base + first * isz)
-            out[...] = np.lib.stride_tricks.as_strided(buf, ext, [s * isz for s in self.strides])
+            out[...] = zdt.as_strided(buf, tuple(ext), tuple(s * isz for s in self.strides))
             return
         d = max((d for d in range(len(ext)) if ext[d] > 1), key=lambda d: self.strides[d])
         mid = ext[d] // 2
