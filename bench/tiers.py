@@ -17,6 +17,15 @@ size, slots per stream and streams per pair of ranks (defaults: the library's).
 ``--p2p`` measures only gloo's own point-to-point throughput per message size, ``--transfer``
 only the library's transfer of files between the nodes (wall and CPU seconds) per message
 size: how the default message size was chosen.
+
+Every timed save is verified: the state's checksums are taken at the call (untimed), the
+state is overwritten with garbage when ``wait_staged()`` returns (the may-change point)
+and restored after the commit, and the checkpoint is loaded back (a plain save with
+``zarrckpt.load``, a tiered one with ``restore`` of that step from the tiers) and compared
+(``harness.verify_checkpoint``); every restore is compared with the saved state the same
+way. A save or restore that fails reports no time (``None`` in the JSON, left out of the
+medians; the counts are printed). Times until committed run to the commit (a
+done-callback) and CPU seconds leave out the overwrite.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zarrckpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Commit, checksums, load_with, scramble, verify_checkpoint  # noqa: E402
 
 
 DEVICE = "cpu"
@@ -63,7 +75,8 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
         dist.init_process_group("gloo", rank=r, world_size=world)
     torch.set_num_threads(1)
     res: dict = {"plain_blocked": [], "plain_total": [], "tier_blocked": [], "tier_local_commit": [],
-                 "tier_replicate_s": [], "tier_replica_bytes": [], "plain_cpu": [], "tier_cpu": []}
+                 "tier_replicate_s": [], "tier_replica_bytes": [], "plain_cpu": [], "tier_cpu": [],
+                 "plain_verified": [], "tier_verified": [], "verify": []}
 
     def cpu() -> float:  # this process's CPU seconds (user + system, every thread)
         import resource
@@ -86,14 +99,39 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
                 mgr._tiers.lanes = tune["lanes"]
         return mgr
 
+    def overwrite() -> float:  # the state may change now: garbage in every shard; its CPU seconds
+        c = cpu()
+        scramble(sd)
+        return cpu() - c
+
+    def check(kind: str, load, ref: dict, fields: list[str]) -> None:
+        """After the commit (untimed): the state restored, the checkpoint loaded back and
+        compared with the checksums at the call; a wrong one keeps no time."""
+        if device == "cuda":
+            torch.cuda.synchronize()
+        scramble(sd)
+        v = verify_checkpoint(load, sd, ref, True)
+        res[f"{kind}_verified"].append(v["verified"])
+        res["verify"].append(dict(v, kind=kind))
+        if not v["verified"]:
+            for f in fields:
+                res[f][-1] = None
+
     sd = state(world, mib, 1)
+    ref = {}
     for s in range(saves):  # plain async_save
+        path = os.path.join(root, "plain", f"s{s}")
+        ref = checksums(sd, True)
         t0, c0 = time.perf_counter(), cpu()
-        fut = zarrckpt.async_save(sd, os.path.join(root, "plain", f"s{s}"))
+        fut = zarrckpt.async_save(sd, path)
         res["plain_blocked"].append(time.perf_counter() - t0)
+        done = Commit(fut)
+        fut.wait_staged()
+        spent = overwrite()
         fut.result()
-        res["plain_total"].append(time.perf_counter() - t0)
-        res["plain_cpu"].append(summed(cpu() - c0))
+        res["plain_total"].append(done.at - t0)
+        res["plain_cpu"].append(summed(cpu() - c0 - spent))
+        check("plain", load_with("zc", path), ref, ["plain_blocked", "plain_total", "plain_cpu"])
     local, persistent = os.path.join(root, "local"), os.path.join(root, "persistent")
     opts = None
     if s3:  # the persistent tier on the S3 server main() started (SeaweedFS)
@@ -101,15 +139,21 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
     with tuned(zarrckpt.CheckpointManager(persistent, local_dir=local, persist_every=saves, async_save=True,
                                           storage=opts)) as mgr:
         for s in range(1, saves + 1):
+            ref = checksums(sd, True)
             t0, c0 = time.perf_counter(), cpu()
             fut = mgr.save(s, sd)
             res["tier_blocked"].append(time.perf_counter() - t0)
+            done = Commit(fut)
+            fut.wait_staged()
+            spent = overwrite()
             rep = fut.result()
-            res["tier_local_commit"].append(time.perf_counter() - t0)
-            res["tier_cpu"].append(summed(cpu() - c0))
+            res["tier_local_commit"].append(done.at - t0)
+            res["tier_cpu"].append(summed(cpu() - c0 - spent))
             res["tier_replicate_s"].append(rep["seconds"].get("replicate", rep["seconds"].get("commit", 0.0)))
             # bytes every rank received: the replicas moved by all nodes
             res["tier_replica_bytes"].append(summed(rep.get("replica_bytes_received", 0)))
+            check("tier", lambda target, s=s: mgr.restore(target, s), ref,
+                  ["tier_blocked", "tier_local_commit", "tier_cpu", "tier_replicate_s"])
         mgr.wait()
     dist.barrier()
 
@@ -126,6 +170,10 @@ def rank(r: int, world: int, port: int, root: str, mib: int, saves: int, out: st
                                      "fetched_bytes": rep.get("fetched_bytes_all_nodes", 0),
                                      "fetch_seconds": rep.get("fetch_seconds"),
                                      "s3_bytes_read": summed(_s3_bytes_read() - s3_before)}
+        got = res[f"restore_{tag}"]  # the restored state against the last save's state at its call
+        got["verified"] = checksums(target, True) == ref
+        if not got["verified"]:
+            got["unverified_seconds"], got["seconds"], got["fetch_seconds"] = got["seconds"], None, None
         dist.barrier()
 
     restore("warmup")  # the first load of a process pays for imports and contexts
@@ -290,9 +338,17 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), **res}, f, indent=1)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    def med(xs):  # the median of the verified saves' numbers (None: failed verification)
+        xs = sorted(x for x in xs if x is not None)
+        return xs[len(xs) // 2] if xs else float("nan")
     print(f"{a.device}: {a.world} ranks as 2 nodes, {a.mib} MiB state, {a.saves} saves each (rank 0; medians), "
           f"persistent tier: {'S3 (SeaweedFS on 127.0.0.1)' if a.persistent == 's3' else 'a directory'}")
+    bad = {k: res[f"{k}_verified"].count(False) for k in ("plain", "tier")}
+    print(f"  verified checkpoints: plain async_save {res['plain_verified'].count(True)} of {len(res['plain_verified'])}, "
+          f"tiers {res['tier_verified'].count(True)} of {len(res['tier_verified'])}"
+          + ("" if not any(bad.values()) else " -- VERIFY FAILED: those saves' times are left out") + "; restores: "
+          + ", ".join(f"{t} {'ok' if res[f'restore_{t}']['verified'] else 'VERIFY FAILED (no time)'}"
+                      for t in ("local", "peers", "persistent")))
     print(f"  blocked per save: plain async_save {med(res['plain_blocked']):.3f} s, tiers {med(res['tier_blocked']):.3f} s")
     print(f"  until committed:  plain async_save {med(res['plain_total']):.3f} s, tiers (local + replicas) "
           f"{med(res['tier_local_commit']):.3f} s")
@@ -303,7 +359,8 @@ def main() -> None:
               f"{rep_b / rep_s / 1e9:.2f} GB/s")
     for tag in ("local", "peers", "persistent"):
         r = res[f"restore_{tag}"]
-        print(f"  restore {tag:>10}: {r['seconds']:.3f} s, {r['cpu']:.2f} CPU s (step {r['step']}, source {r['source']}, "
+        secs = "VERIFY FAILED, no time" if r["seconds"] is None else f"{r['seconds']:.3f} s"
+        print(f"  restore {tag:>10}: {secs}, {r['cpu']:.2f} CPU s (step {r['step']}, source {r['source']}, "
               f"fetched {r['fetched_bytes'] / 2**20:.1f} MiB by all nodes"
               + (f" in {r['fetch_seconds']:.3f} s" if r.get("fetch_seconds") else "") + ")")
     if a.persistent == "s3":
