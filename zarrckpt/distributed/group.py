@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,19 +34,23 @@ __all__ = ["Group", "ShardedInfo", "dtensor_info", "dtensor_type", "entry_timeou
 
 
 def _collective(op: str):
-    """Decorator: a failed collective becomes a DistributedError naming the operation."""
+    """Decorator: a failed collective becomes a DistributedError naming the operation, and
+    marks the group's ranks broken (:func:`_mark_broken`): a collective over them that was
+    still to start on this rank fails at once instead of waiting for peers that are in
+    another collective or dead."""
 
     def wrap(fn):
         def run(self, *args, **kwargs):
+            if self.active:
+                self._fail_if_broken(op)
             try:
                 return fn(self, *args, **kwargs)
             except ZarrckptError:
                 raise
             except (RuntimeError, ValueError) as e:  # gloo/NCCL errors, DistBackendError
-                raise DistributedError(
-                    f"collective {op} over {self.size} ranks failed on rank {self.rank}: {e} "
-                    "(a peer process died or the group timed out)"
-                ) from e
+                why = f"collective {op} over {self.size} ranks failed on rank {self.rank}: {e}"
+                _mark_broken(self, why)
+                raise DistributedError(f"{why} (a peer process died or the group timed out)") from e
 
         run.__name__ = fn.__name__
         run.__doc__ = fn.__doc__
@@ -91,13 +96,47 @@ class Group:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _max(self, t: torch.Tensor) -> None:
+        """All-reduce (max) ``t`` in place, waiting as :meth:`_wait` does."""
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg, async_op=True), "all-reduce")
+
+    def _wait(self, work: Any, op: str) -> None:
+        """Wait for a collective in flight. While it has not ended, check every second (or
+        size/256 s) whether another rank marked these ranks broken or the store is gone (the
+        process hosting it, usually rank 0, died): then raise DistributedError at once. A
+        blocked collective cannot otherwise be left before the group's timeout, however long
+        (torch's default for gloo: 30 min), e.g. when the peers it waits for have failed in
+        another collective or died."""
+        if not work.is_completed():
+            delay, every = 20e-6, max(1.0, self.size / 256)
+            check_at = time.monotonic() + every
+            while not work.is_completed():
+                time.sleep(delay)
+                delay = min(delay * 1.5, 2e-3)
+                if time.monotonic() >= check_at:
+                    why = _broken_elsewhere(self)
+                    if why is not None:
+                        _mark_broken(self, why, publish=False)
+                        raise DistributedError(f"collective {op} over {self.size} ranks abandoned on rank "
+                                               f"{self.rank}: {why}")
+                    check_at = time.monotonic() + every
+        work.wait()
+
+    def _fail_if_broken(self, op: str) -> None:
+        why = _broken.get(self.global_ranks())
+        if why is not None:
+            raise DistributedError(
+                f"collective {op} over {self.size} ranks not started on rank {self.rank}: an earlier "
+                f"zarrckpt collective over these ranks failed ({why}); the process group cannot be "
+                "used again")
+
     @_collective("all_true")
     def all_true(self, ok: bool) -> bool:
         """True iff ``ok`` on every rank (one all-reduce)."""
         if not self.active:
             return ok
         t = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        self._max(t)
         return int(t.item()) == 0
 
     @_collective("check")
@@ -111,7 +150,7 @@ class Group:
         mine = list(root_values) if self.rank == 0 else [0] * len(root_values)
         body = [v for h in hs for v in (h, -h)]
         t = torch.tensor([0 if ok else 1, *body, *mine], dtype=torch.int64, device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        self._max(t)
         vals = [int(v) for v in t.tolist()]
         same = [vals[1 + 2 * i] == -vals[2 + 2 * i] for i in range(len(hs))]
         return vals[0] == 0, same, vals[1 + 2 * len(hs):]
@@ -213,6 +252,11 @@ class Group:
         store = _store()
         base = f"zarrckpt/enter/{'-'.join(map(str, ranks))}/{seq}"
         try:
+            broken = _broken.get(ranks)
+            if broken is None and store.check([_broken_key(ranks)]):  # another rank's collective failed
+                broken = store.get(_broken_key(ranks)).decode(errors="replace")
+            if broken is not None:  # no collective can follow: every rank is told at once
+                store.compare_set(f"{base}/decision", "", "broken " + broken)
             store.set(f"{base}/rank{self.rank}", what)
             if store.add(f"{base}/arrived", 1) == self.size:
                 store.compare_set(f"{base}/decision", "", "go")
@@ -231,6 +275,10 @@ class Group:
         if decision == "go":
             self._forget_entry(store, ranks, seq - 2)
             return
+        if decision.startswith("broken "):
+            raise DistributedError(
+                f"zarrckpt {what} refused on rank {self.rank}: an earlier zarrckpt collective over "
+                f"these ranks failed ({decision[7:]}); the process group cannot be used again")
         missing = json.loads(decision.split(" ", 1)[1])  # as the rank that gave up saw it
         if self.rank in missing:
             raise DistributedError(
@@ -286,9 +334,9 @@ class _Pending:
         try:
             self.work.wait()
         except (RuntimeError, ValueError) as e:
-            raise DistributedError(
-                f"{self.op} over {self.group.size} ranks failed on rank {self.group.rank}: {e} "
-                "(a peer process died or the group timed out)") from e
+            why = f"{self.op} over {self.group.size} ranks failed on rank {self.group.rank}: {e}"
+            _mark_broken(self.group, why)
+            raise DistributedError(f"{why} (a peer process died or the group timed out)") from e
 
 
 def _describe(error: BaseException) -> str:
@@ -301,6 +349,46 @@ def _describe(error: BaseException) -> str:
 _side_groups: dict[tuple, Group] = {}
 _side_lock = threading.Lock()
 _entries: dict[tuple[int, ...], int] = {}  # zarrckpt calls entered, per set of ranks
+# Sets of (global) ranks a zarrckpt collective over which failed on this process, and why.
+# A failed collective leaves the group's ranks in different places (some in it, some in the
+# next one, some dead), so every later collective over the same ranks fails at once, and the
+# failure is published in the c10d store for the ranks still blocked in a collective
+# (Group._wait). A side group over the same ranks counts as the same ranks.
+_broken: dict[tuple[int, ...], str] = {}
+
+
+def _broken_key(ranks: tuple[int, ...]) -> str:
+    return f"zarrckpt/broken/{'-'.join(map(str, ranks))}"
+
+
+def _mark_broken(g: Group, why: str, publish: bool = True) -> None:
+    """Remember that a collective over ``g``'s ranks failed here, and tell the other ranks
+    through the store (best effort: the store may be what died)."""
+    if not g.active:
+        return
+    ranks = g.global_ranks()
+    with _side_lock:
+        if ranks in _broken:
+            return
+        _broken[ranks] = why
+    if publish:
+        try:
+            _store().compare_set(_broken_key(ranks), "", why)
+        except Exception:  # noqa: BLE001 - the store's host died: the others find it gone
+            pass
+
+
+def _broken_elsewhere(g: Group) -> str | None:
+    """Why a collective over ``g``'s ranks cannot end, as the store tells (None: no sign)."""
+    key = _broken_key(g.global_ranks())
+    try:
+        store = _store()
+        if not store.check([key]):
+            return None
+        return store.get(key).decode(errors="replace")
+    except Exception as e:  # noqa: BLE001 - TCPStore errors when its host process is gone
+        return (f"the process group's store cannot be reached ({e}); the process hosting it "
+                "(usually rank 0) has died")
 
 ENTRY_TIMEOUT_S = 300.0
 
