@@ -8,6 +8,10 @@ threads), then alternates loads: DCP (FileSystemReader, default) and zarrckpt wi
 defaults and with one knob changed at a time (bytes in flight, staging, file threads).
 Prints the slowest rank's seconds per variant (median of ``--reps``) and zarrckpt's own
 per-phase seconds, as JSON lines. A probe, not a benchmark of record.
+
+Every timed load is verified: the state is overwritten with garbage before it (untimed:
+every bit flipped) and its checksums must match those taken after the saves; a load that
+fails reports no time (``None``, left out of the medians; ``unverified`` counts them).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zarrckpt  # noqa: E402
+from harness import checksums, scramble  # noqa: E402
 from models import finish_pair, saved_pair  # noqa: E402
 
 
@@ -38,6 +43,8 @@ def main() -> None:
     a = ap.parse_args()
     sd, p, device, zpath, dpath = saved_pair(a.shape, a.state_gb, a.dir)
     cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
+    ref = checksums(sd, True)  # what both checkpoints hold (the state has not changed since)
+    unverified: dict[str, int] = {}
     variants = {
         "zarrckpt": {},
         "inflight 1 GiB": {"max_inflight_bytes": 1 << 30},
@@ -49,6 +56,7 @@ def main() -> None:
     phases: dict[str, list] = {k: [] for k in variants}
     for rep in range(a.reps):
         for name in ["dcp", *variants]:
+            scramble(sd)  # untimed: the load must put back every value
             dist.barrier()
             if cuda:
                 torch.cuda.synchronize()
@@ -68,14 +76,18 @@ def main() -> None:
                 torch.cuda.synchronize()
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(float(dt))
+            ok = checksums(sd, True) == ref  # untimed
+            times[name].append(float(dt) if ok else None)
+            if not ok:
+                unverified[name] = unverified.get(name, 0) + 1
             if report:
                 phases[name].append({k: round(v, 3) for k, v in report["seconds"].items()})
     if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = {k: statistics.median(x for x in v if x is not None) for k, v in times.items()
+               if any(x is not None for x in v)}
         out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world, "plan": p,
-               "seconds": {k: round(v, 3) for k, v in med.items()},
-               "vs_dcp": {k: round(med["dcp"] / v, 2) for k, v in med.items()},
+               "seconds": {k: round(v, 3) for k, v in med.items()}, "unverified": unverified,
+               "vs_dcp": {k: round(med["dcp"] / v, 2) for k, v in med.items() if "dcp" in med},
                "phases_rank0_last": {k: v[-1] for k, v in phases.items() if v}}
         print(json.dumps(out), flush=True)
         if os.environ.get("OUT"):

@@ -14,6 +14,12 @@ then:
 
 Prints a summary per rank and writes the traces to ``$OUT/load_trace_rank{r}.json``.
 A probe, not a benchmark of record.
+
+Every timed load is verified: the state's checksums are taken once after both saves (the
+values the checkpoints must hold), the state is overwritten with garbage before each load
+(untimed: every bit flipped, so a load that leaves anything out is caught), and after the
+load its checksums must match. A load that fails reports no time (``None`` in ``loads``,
+left out of the speedups; ``unverified`` counts them).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zarrckpt  # noqa: E402
+from harness import checksums, scramble  # noqa: E402
 from models import finish_pair, saved_pair  # noqa: E402
 from zarrckpt.api import load as zload  # noqa: E402
 from zarrckpt.storage import _localfile  # noqa: E402
@@ -214,6 +221,7 @@ def main() -> None:
     a = ap.parse_args()
     sd, p, device, zpath, dpath = saved_pair(a.shape, a.state_gb, a.dir)
     cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
+    ref = checksums(sd, True)  # what both checkpoints hold (the state has not changed since)
     out: dict = {"rank": rank, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                  "cpus": os.cpu_count(), "plan": p}
     if not a.only_loads:
@@ -266,9 +274,11 @@ def main() -> None:
         else:
             gc_passes.append((info["generation"], time.perf_counter() - gc_start[0]))
     gc.callbacks.append(on_gc)
+    unverified: dict[str, int] = {}
     for rep in range(a.reps):
         names = list(times) if rep % 2 == 0 else list(times)[::-1]
         for name in names:
+            scramble(sd)  # untimed: the load must put back every value
             if a.drop_caches and rank == 0:
                 os.sync()
                 with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -296,13 +306,22 @@ def main() -> None:
             cpu_s.setdefault(name, []).append(round(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime, 3))
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(round(float(dt), 3))
+            ok = checksums(sd, True) == ref  # untimed
+            times[name].append(round(float(dt), 3) if ok else None)
+            if not ok:
+                unverified[name] = unverified.get(name, 0) + 1
     out["loads"] = times
+    out["unverified"] = unverified
     out["per_load"] = per_load
     out["cpu_s"] = cpu_s
-    out["speedup_median"] = {k: round(statistics.median(times["dcp"]) / statistics.median(v), 2)
+
+    def med(v):
+        v = [x for x in v if x is not None]
+        return statistics.median(v) if v else None
+    out["speedup_median"] = {k: round(med(times["dcp"]) / med(v), 2) if med(times["dcp"]) and med(v) else None
                              for k, v in times.items()}
     trace = Trace()
+    scramble(sd)
     undo = trace.wrap()
     dist.barrier()
     if cuda:
@@ -315,6 +334,7 @@ def main() -> None:
     total = time.perf_counter() - t0
     undo()
     out["traced"] = trace.summary(total)
+    out["traced"]["verified"] = checksums(sd, True) == ref
     out["phases"] = {k: round(v, 3) for k, v in report["seconds"].items()}
     print(json.dumps(out), flush=True)
     if os.environ.get("OUT"):
