@@ -173,3 +173,43 @@ def test_manifests_follow_the_schema(clusters, tmp_path):
     from test_spec import is_valid
 
     assert not is_valid("tierManifest", bad)
+
+
+def rank_restore_wrong_shape(rank, world, local, persistent, nodes):
+    """A restore into a target whose ``b`` has another shape: the load's own error."""
+    import torch
+
+    import zarrckpt
+    from test_tiers import _state
+
+    os.environ["ZARRCKPT_NODE"] = nodes[rank]
+    target = _state(world, 0)
+    target["b"] = torch.zeros(11)
+    with zarrckpt.CheckpointManager(persistent, local_dir=local, local_replicas=1, persist_every=None) as mgr:
+        try:
+            mgr.restore(target)
+        except zarrckpt.ZarrckptError as e:
+            return type(e).__name__
+    return None
+
+
+def test_damaged_root_is_rewritten_and_a_mismatch_is_not_damage(clusters, tmp_path):
+    """A flipped byte in one node's committed root of its copy: the load fails on its digest,
+    the copies are verified, the root is removed and written again from the manifest, and
+    the step restores from "local". A target that does not match is the load's own error:
+    raised, with every copy left as it was (not un-claimed)."""
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    kw = dict(persist_every=None, _nodes=N0)
+    _run_save(clusters, 2, local, persistent, steps=(1, 2), **kw)
+    root = local / "node1" / "step_00000002" / "zarr.json"
+    data = root.read_bytes()
+    at = data.index(b'"step"')
+    _flip(root, at + 1)
+    res = _restore(clusters, 2, local, persistent, **kw)
+    assert _ok(res, 2, "local") and all(len(r["skipped"]) == 1 for r in res), res
+    assert root.read_bytes() == data
+    got = clusters(2).run(rank_restore_wrong_shape, str(local), str(persistent), N0)
+    assert got == ["ShapeMismatchError"] * 2, got
+    for node in N0:
+        m = _manifest(local, node, 2)
+        assert m["complete"] and m["held"] == N0, m["held"]

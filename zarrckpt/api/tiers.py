@@ -67,8 +67,8 @@ import torch
 from ..distributed import group as zdist
 from ..engine import commit as _commit
 from ..engine import save as engine
-from ..errors import (CorruptChunkError, DistributedError, FormatError, LoadFailedError, SaveFailedError,
-                      StorageError)
+from ..errors import (CheckpointNotFoundError, CorruptChunkError, DistributedError, FormatError,
+                      IncompleteCheckpointError, LoadFailedError, SaveFailedError, StorageError)
 from ..format import documents as fmt
 from ..storage import open_storage
 from ._gc import paused
@@ -82,6 +82,8 @@ MANIFEST_SUFFIX = ".tier.json"
 MANIFEST_FORMAT = "zarrckpt-tier"
 DIGEST_ALGORITHM = "crc32c"  # of the key's UTF-8 bytes, then the file's bytes (spec §7.8)
 DIGEST_BLOCK = 8 << 20  # bytes read at once to compute a digest
+# errors of a load that damaged bytes of a copy may cause (then the copies are verified)
+_MAY_BE_DAMAGE = (CorruptChunkError, FormatError, StorageError, CheckpointNotFoundError, IncompleteCheckpointError)
 MAX_ATTEMPTS = 64  # sources a restore tries at most (each failed one is excluded; a safety net)
 DEFAULT_BATCH_BYTES = 64 << 20
 
@@ -1140,6 +1142,8 @@ class Tiers:
         except DistributedError:
             raise
         except Exception as e:  # noqa: BLE001 - every rank raised (load's agreement): damage, or not?
+            if not g.all_true(isinstance(e, _MAY_BE_DAMAGE)):
+                raise  # a target that does not match ...: no need to read the copies
             damage = self._check_copies(s, sid, need, files, excluded, copy_dir)
             if damage is None:
                 raise  # the copies are intact: the error is not theirs (a target mismatch ...)
@@ -1200,7 +1204,7 @@ class Tiers:
             error = e
         g.agree(error, f"un-claiming the damaged copies of step {s}", LoadFailedError)
         excluded.update((s, sid, src, m) for src, _, m in pairs)
-        shown = ", ".join(f"{rel} (from node {nodes.names[src]})" for src, _, rel in sorted(
+        shown = ", ".join(f"{rel} (from {nodes.names[src]}'s copy)" for src, _, rel in sorted(
             {(src, d, rel) for d, rel in every for (src, dd), b in wanted.items() if dd == d and rel in b})[:5])
         return f"{len(every)} key(s) fetched failed their digests: {shown}"
 
@@ -1255,8 +1259,8 @@ class Tiers:
             for n in need:
                 if b & {rel for rel, _ in files[n]}:
                     excluded.add((s, sid, i, n))
-                    found.append(f"node {nodes.names[i]}'s copy of node {n}'s keys ({sorted(b)[0]} ...)")
-        found += [f"node {nodes.names[i]}'s root zarr.json (removed)" for i in sorted(roots)]
+                    found.append(f"{nodes.names[i]}'s copy of {n}'s keys ({', '.join(sorted(b)[:3])})")
+        found += [f"{nodes.names[i]}'s root zarr.json (removed)" for i in sorted(roots)]
         return "damaged: " + "; ".join(found)
 
     def _save_nodes(self, s: int, sid: str, per: dict) -> list[str] | None:
