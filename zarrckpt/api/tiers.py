@@ -16,9 +16,11 @@ Layout of a node's local tier, ``<local_dir>/<node>/``:
   a plain checkpoint any reader reads. Other copies have no root (no reader takes them for
   a checkpoint; §7.7 skips them).
 * ``step_<N>.tier.json``: the copy's **manifest**, written atomically after the copy is
-  durable: the local commit point. It records the save's id, the committed root, the
-  nodes of the save and each node's files with their sizes, and which of them this copy
-  holds. A copy without a manifest is never used.
+  durable: the local commit point. It records the save's id, the run (the persistent
+  root, :attr:`Tiers.run`), the committed root, the nodes of the save and each node's files
+  with their sizes and digests (:func:`key_digest`, computed by the writing rank after C2),
+  and which of them this copy holds. A copy without a manifest, or of another run, is never
+  used; local retention deletes other runs' copies.
 
 Save: plan and stage on the caller's thread as ``async_save`` does (one device->host copy);
 then, in the manager's worker thread over a side gloo group: C0, leaders create each
@@ -37,14 +39,18 @@ leader copies its node's own files from its local tier (no device memory, no sta
 C2; rank 0 publishes the committed root (``engine.finish``). A crash before the publish
 leaves the persistent root as it was (plus a §7.5 leftover on file systems).
 
-Restore: leaders list their manifests and check every listed file's size; one
-all-gather; the newest step whose copies with one save id together hold every node's
-files is chosen (unless the persistent root holds a newer step). The ranks of a node
-missing files get them, each a share, from the ranks of a node holding them (``transfer``
-over a side gloo group) into their node's copy, after the leader un-claimed them in its
-manifest; once it holds everything, the leader writes its committed root and manifest:
-then every rank loads its own node's copy with :func:`zarrckpt.load` (any world size, any
-layout).
+Restore: leaders list their manifests of this run and check every listed file's size;
+one all-gather; rank 0 chooses the source and broadcasts it: the newest step whose copies
+with one save id together hold every node's files, unless the persistent root (listed
+whenever no step is asked for) holds a newer committed step. The ranks of a node missing
+files get them, each a share, from the ranks of a node holding them (``transfer`` over a
+side gloo group) into their node's copy, after the leader un-claimed them in its manifest,
+and verify them against the digests; once it holds everything intact, the leader writes
+its committed root and manifest: then every rank loads its own node's copy with
+:func:`zarrckpt.load` (any world size, any layout). A fetched key that fails its digest, or
+a load that fails on damage (every node then verifies its copy), un-claims the damaged
+holdings and the next source is tried: a peer's copy, the persistent root, an older step
+(``last_restore["skipped"]``).
 """
 
 from __future__ import annotations
