@@ -10,7 +10,12 @@ PUT/GET of ``--bw-obj-mib`` objects, 1 and 16 in flight per rank), then alternat
 and DCP (zarrckpt first on even reps) through: sync save, async save (blocked = until the
 call returns and the state may change; total = until committed), load into the same
 layout, and a resharded load Shard(0) -> Shard(1). Every phase is barrier-to-barrier;
-its seconds are the slowest rank's. Requests and bytes are counted on the client side
+its seconds are the slowest rank's. Every timed checkpoint is verified: each save is
+loaded back by its own system and its per-tensor checksums compared with the state's at
+the call (untimed); an async save's state is overwritten with garbage at the may-change
+point (zarrckpt: ``wait_staged()``; DCP: its call's return) and restored after the commit,
+and its time runs to the commit; every load is compared too. A phase whose checkpoint
+fails reports no time and is left out of the medians and ratios (the table says so). Requests and bytes are counted on the client side
 (TensorStore's metrics; s3fs calls), CPU seconds on both sides (ranks, ``weed``).
 
 A shared machine: rank 0 also counts the CPU time of every other process during each
@@ -49,6 +54,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import zarrckpt
 from bench import Ctx, bit_equal, free_port, machine_info, now
+from harness import Commit, check_saved, checksums, drop_times, scramble
 from report import SYSTEMS, median
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -298,13 +304,23 @@ def writer(ctx, url):
     return FsspecWriter(url, sync_files=False, **ctx.fsopts)
 
 
+def load_fn(ctx, s, url):
+    """``load(target)`` of system ``s`` for the checkpoint at ``url`` (verification)."""
+    if s == "zc":
+        return lambda target: zarrckpt.load(target, url, storage=ctx.zopts)
+    return lambda target: dcp.load(target, storage_reader=FsspecReader(url, **ctx.fsopts))
+
+
 def sync_save(ctx, rep, shape, sd, ckpt):
-    """Fresh prefixes; ``ckpt`` keeps the latest per system for the loads."""
+    """Fresh prefixes; ``ckpt`` keeps the latest per system for the loads. Each checkpoint
+    is loaded back and checked against the state's checksums at the call (untimed)."""
     for u in ckpt.values():
         ctx.rmtree(u)
+    ref = {}
 
     def prepare(s):
         ckpt[s] = url = ctx.url(f"{shape}_{s}_sync_{rep}")
+        ref["sums"] = checksums(sd, True)
         if s == "zc":
             return lambda: {"report": zarrckpt.save(sd, url, storage=ctx.zopts)}
         return lambda: dcp.save(sd, storage_writer=writer(ctx, url))
@@ -312,6 +328,7 @@ def sync_save(ctx, rep, shape, sd, ckpt):
     def after(s, rec):
         if ctx.rank == 0:
             rec["objects"], rec["object_bytes"] = ctx.objects(ckpt[s])
+        check_saved(rec, load_fn(ctx, s, ckpt[s]), sd, ref["sums"], True)
 
     def cleanup():
         for u in ckpt.values():
@@ -320,26 +337,44 @@ def sync_save(ctx, rep, shape, sd, ckpt):
 
 
 def async_save(ctx, rep, shape, sd, dcp_group):
-    urls = {}
+    """blocked: until the call returns; the state is then overwritten with garbage where it
+    may change (zarrckpt: after ``wait_staged()``; DCP's default stager copied before its
+    call returned) and restored after the commit (untimed); seconds: until the commit (a
+    done-callback, so the overwrite is not counted). The checkpoint is loaded back and
+    checked against the state's checksums at the call."""
+    urls, ref = {}, {}
 
     def prepare(s):
         urls[s] = url = ctx.url(f"{shape}_{s}_async_{rep}")
+        ref["sums"] = checksums(sd, True)
 
         def run():
             t0 = now()
             if s == "zc":
                 fut = zarrckpt.async_save(sd, url, storage=ctx.zopts)
                 blocked = now() - t0
-                return {"blocked": blocked, "report": fut.result()}
+                done = Commit(fut)
+                fut.wait_staged()
+                overwrite = scramble(sd)  # the state may change now
+                report = fut.result()
+                return {"blocked": blocked, "report": report, "seconds": done.at - t0, "overwrite_s": overwrite}
             fut = dcp.async_save(sd, storage_writer=writer(ctx, url), process_group=dcp_group)
             blocked = now() - t0
-            getattr(fut, "upload_completion", fut).result()  # Future, or AsyncSaveResponse
-            return {"blocked": blocked}
+            upload = getattr(fut, "upload_completion", fut)  # Future, or AsyncSaveResponse
+            done = Commit(upload)
+            staged = getattr(fut, "staging_completion", None)
+            if staged is not None:
+                staged.result()
+            overwrite = scramble(sd)  # the state may change now
+            upload.result()
+            return {"blocked": blocked, "seconds": done.at - t0, "overwrite_s": overwrite}
         return run
 
     def after(s, rec):
+        rec["restore_s"] = scramble(sd)  # the state as it was at the call
         if ctx.rank == 0:
             rec["objects"], rec["object_bytes"] = ctx.objects(urls[s])
+        check_saved(rec, load_fn(ctx, s, urls[s]), sd, ref["sums"], True)
         ctx.rmtree(urls[s])
     return ctx.pair(rep, prepare, after)
 
@@ -363,6 +398,7 @@ def load_pair(ctx, rep, ckpt, make_target, verify):
     def after(s, rec):
         rec["bytes_needed"] = box["needed"]
         rec["verified"] = verify(box.pop("t"))
+        drop_times(rec)
     return ctx.pair(rep, prepare, after)
 
 
@@ -442,15 +478,16 @@ def combine(ranks, shape, sec):
                "discarded": len(row0.get("discarded", []))}
         for s in SYSTEMS:
             recs = [r[shape][sec][i][s] for r in ranks]
-            row[s] = {"seconds": max(r["seconds"] for r in recs),
-                      "blocked": max(r.get("blocked", 0) for r in recs),
+            ok = all(r.get("verified", True) for r in recs)
+            row[s] = {"seconds": max(r["seconds"] for r in recs) if ok else None,
+                      "blocked": max(r.get("blocked", 0) for r in recs) if ok else None,
                       **{k: sum(r.get(k, 0) for r in recs)
                          for k in ("requests", "s3_bytes_read", "s3_bytes_written", "bytes_needed", "cpu_s")},
                       "fetched_reported": sum((r.get("report") or {}).get("bytes_fetched", 0) for r in recs),
                       "server_cpu_s": recs[0].get("server_cpu_s"), "objects": recs[0].get("objects"),
                       "object_bytes": recs[0].get("object_bytes"),
                       "rss_peak_mb": max(r["rss_peak_mb"] for r in recs),
-                      "verified": all(r.get("verified", True) for r in recs)}
+                      "verified": ok}
         out.append(row)
     return out
 
@@ -521,24 +558,35 @@ def report(cfg, ranks, info):
             fields = [("blocked", " (blocked)"), ("seconds", " (until committed)")] if sec == "async" else \
                 [("seconds", "")]
             for field, suffix in fields:
-                med = {s: median([r[s][field] for r in rows_]) for s in SYSTEMS}
-                ratio = median([r["dcp"][field] / r["zc"][field] for r in rows_ if r["zc"][field]])
+                # a rep whose checkpoint failed verification has no time: left out everywhere
+                good = {s: [r for r in rows_ if r[s]["verified"]] for s in SYSTEMS}
+                med = {s: median([r[s][field] for r in good[s]]) for s in SYSTEMS}
+                ratio = median([r["dcp"][field] / r["zc"][field] for r in rows_
+                                if r["zc"][field] and r["dcp"][field] is not None])
 
                 def rate(s):
-                    if field == "blocked":
+                    if field == "blocked" or med[s] is None:
                         return "-"
-                    pct = median([p / r[s][field] / best[r["rep"]][kind] for r in rows_])
+                    pct = median([p / r[s][field] / best[r["rep"]][kind] for r in good[s]])
                     return f"{p / med[s] / 1e6:.0f} ({100 * pct:.0f} %)"
 
                 def both(f, key):
-                    return " / ".join(f(median([r[s][key] for r in rows_])) for s in SYSTEMS)
-                ok = "" if all(r[s]["verified"] for r in rows_ for s in SYSTEMS) else " **VERIFY FAILED**"
+                    vals = [median([r[s][key] for r in good[s]]) for s in SYSTEMS]
+                    return " / ".join("-" if v is None else f(v) for v in vals)
+                failed = {s: sum(not r[s]["verified"] for r in rows_) for s in SYSTEMS}
+                ok = "" if not any(failed.values()) else " **VERIFY FAILED** (" + ", ".join(
+                    f"{'zarrckpt' if s == 'zc' else 'DCP'} {n} of {len(rows_)} reps" for s, n in failed.items() if n) \
+                    + ": times dropped)"
                 fetched = both(mb, "s3_bytes_read") + " / " + mb(median([r["zc"]["bytes_needed"] for r in rows_])) \
                     if sec in ("load", "reshard") else "-"
-                cpu = " / ".join(f"{median([r[s]['cpu_s'] + (r[s]['server_cpu_s'] or 0) for r in rows_]):.1f}"
+                cpu = " / ".join("-" if not good[s] else
+                                 f"{median([r[s]['cpu_s'] + (r[s]['server_cpu_s'] or 0) for r in good[s]]):.1f}"
                                  for s in SYSTEMS)
-                lines.append(f"| {titles[sec]}{suffix}{ok} | {med['zc']:.3f} | {med['dcp']:.3f} | "
-                             f"**{ratio:.2f}×** | {rate('zc')} | {rate('dcp')} | "
+
+                def sec3(x):
+                    return "-" if x is None else f"{x:.3f}"
+                lines.append(f"| {titles[sec]}{suffix}{ok} | {sec3(med['zc'])} | {sec3(med['dcp'])} | "
+                             f"**{'-' if ratio is None else f'{ratio:.2f}'}×** | {rate('zc')} | {rate('dcp')} | "
                              f"{both(lambda x: f'{x:,.0f}', 'requests')} | "
                              f"{both(lambda x: '-' if x is None else f'{x:,.0f}', 'objects')} | {fetched} | {cpu} |")
     kept = [r for rows_ in raw["combined"].values() for r in rows_] + bw
