@@ -12,6 +12,11 @@ machine-normalized view.
 
 Everything after ``--`` goes to ``bench.py`` (``--dir`` is suffixed per run; ``--out`` is
 set here). The JSON of every run and the summary land in ``--out-dir``.
+
+``bench.py`` verifies every checkpoint it times; a rep whose checkpoint failed has no
+time and is left out of these medians too (the summary's ``unverified`` counts them per
+run, and the table says so). A revision whose ``bench.py`` predates verification gives
+records without a ``verified`` flag: they are used, and counted as ``unchecked``.
 """
 
 from __future__ import annotations
@@ -53,21 +58,42 @@ def run(tree: str, args: list[str], out: str, tag: str) -> dict:
         return json.load(f)
 
 
-def medians(result: dict) -> dict[tuple[str, str], float]:
-    """(shape, operation) -> zarrckpt's median seconds in one run; also 'zc/dcp_best'."""
-    out = {}
+def times(reps: list, s: str, field: str, count: dict) -> list[float]:
+    """System ``s``'s ``field`` over the reps whose checkpoint did not fail verification;
+    ``count`` tallies the reps left out (``unverified``) and those without a flag
+    (``unchecked``: a bench.py before verification)."""
+    out = []
+    for r in reps:
+        rec = r.get(s)
+        if not rec:
+            continue
+        flag = rec.get("verified")
+        if flag is False or rec.get(field) is None:
+            count["unverified"] = count.get("unverified", 0) + 1
+            continue
+        if flag is None:
+            count["unchecked"] = count.get("unchecked", 0) + 1
+        out.append(rec[field])
+    return out
+
+
+def medians(result: dict, count: dict | None = None) -> dict[tuple[str, str], float]:
+    """(shape, operation) -> zarrckpt's median seconds in one run over its verified reps;
+    also 'zc/dcp_best'. ``count`` receives the unverified and unchecked reps."""
+    out: dict = {}
+    count = {} if count is None else count
     for shape, body in result["shapes"].items():
         comb = body.get("combined", {})
         for op, (section, field) in OPS.items():
             reps = comb.get(section) or []
-            zc = [r["zc"][field] for r in reps if r.get("zc")]
-            best = [r["dcp_best"][field] for r in reps if r.get("dcp_best")]
+            zc = times(reps, "zc", field, count)
+            best = times(reps, "dcp_best", field, count)
             if zc:
                 out[shape, op] = statistics.median(zc)
                 if best and statistics.median(best) > 0:
                     out[shape, op + " zc/dcp_best"] = statistics.median(zc) / statistics.median(best)
         for pair, reps in (comb.get("pairs") or {}).items():
-            zc = [r["zc"]["seconds"] for r in reps if r.get("zc")] if isinstance(reps, list) else []
+            zc = times(reps, "zc", "seconds", count) if isinstance(reps, list) else []
             if zc:
                 out[shape, f"reshard {pair}"] = statistics.median(zc)
     return out
@@ -87,11 +113,14 @@ def main() -> None:
     where = tempfile.mkdtemp(prefix="zarrckpt-ab-")
     trees = {"A": worktree(opts.a, where), "B": worktree(opts.b, where)}
     runs: dict[str, list[dict]] = {"A": [], "B": []}
+    counts: dict[str, list[dict]] = {"A": [], "B": []}
     try:
         for i in range(opts.rounds):
             for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
                 out = os.path.join(opts.out_dir, f"{side}{i}.json")
-                runs[side].append(medians(run(trees[side], bench_args, out, f"{side}{i}")))
+                count: dict = {}
+                runs[side].append(medians(run(trees[side], bench_args, out, f"{side}{i}"), count))
+                counts[side].append(count)
     finally:
         for t in trees.values():
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", t], check=False)
@@ -103,7 +132,8 @@ def main() -> None:
         rows.append({"shape": key[0], "op": key[1], "A": [r.get(key) for r in runs["A"]],
                      "B": [r.get(key) for r in runs["B"]], "median B/A": statistics.median(pairs)})
     summary = {"a": opts.a, "b": opts.b, "rounds": opts.rounds, "bench_args": bench_args,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": rows}
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": rows,
+               "unverified": counts}
     with open(os.path.join(opts.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"\n| shape | measure | A ({opts.a}) | B ({opts.b}) | median B/A |\n|---|---|---|---|---|")
@@ -111,6 +141,14 @@ def main() -> None:
         fa = ", ".join(f"{x:.3f}" for x in r["A"] if x is not None)
         fb = ", ".join(f"{x:.3f}" for x in r["B"] if x is not None)
         print(f"| {r['shape']} | {r['op']} | {fa} | {fb} | {r['median B/A']:.2f} |")
+    for side, rev in (("A", opts.a), ("B", opts.b)):
+        bad = sum(c.get("unverified", 0) for c in counts[side])
+        unchecked = sum(c.get("unchecked", 0) for c in counts[side])
+        if bad:
+            print(f"\n{side} ({rev}): {bad} timed reps whose checkpoint FAILED verification were left out")
+        if unchecked:
+            print(f"\n{side} ({rev}): {unchecked} timed reps were not verified (its bench.py predates "
+                  "verification); they are included")
 
 
 if __name__ == "__main__":
