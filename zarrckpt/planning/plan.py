@@ -338,7 +338,7 @@ _STRIDED = torch.strided
 def _tensor_matches(v: torch.Tensor, c: tuple, arrays: list, ok: list) -> bool:
     """The plain-tensor leaf of _resolve_match, inlined at its container (``type(v)`` is
     ``c[1]`` already, so not a Stateful); True: ``v`` is its own resolved copy."""
-    if (v.shape != c[2] or v.dtype is not c[3] or v.device != c[4] or v.layout is not _STRIDED
+    if (v.is_nested or v.shape != c[2] or v.dtype is not c[3] or v.device != c[4] or v.layout is not _STRIDED
             or v.is_neg() or (c[3].is_complex and v.is_conj())):  # dtypes, layouts: singletons
         ok[0] = False
     elif ok[0]:
@@ -393,7 +393,8 @@ def _signature(leaves: list[tuple[tuple, Any]]) -> tuple | None:
                 continue
             if type(leaf) is not torch.Tensor and not isinstance(leaf, torch.nn.Parameter):
                 return None  # a ShardedTensor, or a tensor subclass: plan it afresh
-            if leaf.is_conj() or leaf.is_neg() or leaf.layout != torch.strided or leaf.device.type == "meta":
+            if (leaf.is_nested or leaf.is_conj() or leaf.is_neg() or leaf.layout != torch.strided
+                    or leaf.device.type == "meta"):  # nested: no .shape; planned afresh, refused by name
                 return None
             out.append((path, 2, leaf.shape, leaf.dtype, leaf.device))
         elif isinstance(leaf, np.ndarray):
@@ -453,7 +454,7 @@ def _match(obj: Any, t: tuple, arrays: list) -> bool:
                 return False
         return True
     if kind == 3:
-        if (type(obj) is not t[1] or obj.shape != t[2] or obj.dtype != t[3] or obj.device != t[4]
+        if (type(obj) is not t[1] or obj.is_nested or obj.shape != t[2] or obj.dtype != t[3] or obj.device != t[4]
                 or obj.layout != torch.strided or obj.is_conj() or obj.is_neg()):
             return False
         arrays.append(obj)

@@ -83,11 +83,12 @@ def checked_tensor(t: torch.Tensor, key: str, *, what: str = "tensor") -> torch.
     Conjugate/negative views are resolved (a copy, only for such views)."""
     if zdist.is_dtensor(t) or zdist.is_sharded_tensor(t):
         raise AssertionError("pass the local tensor")  # pragma: no cover
+    if t.is_nested:  # before the layout: a jagged nested tensor's layout is torch.jagged
+        raise UnsupportedValueError(f"{what} {key!r}: nested tensors cannot be stored; store their "
+                                    "components (.unbind()) or a padded tensor (.to_padded_tensor(0))")
     if t.layout != torch.strided:
         raise UnsupportedValueError(f"{what} {key!r}: {t.layout} tensors cannot be stored; "
                                     "call .to_dense() first")
-    if t.is_nested:
-        raise UnsupportedValueError(f"{what} {key!r}: nested tensors cannot be stored")
     if t.is_quantized:
         raise UnsupportedValueError(f"{what} {key!r}: quantized tensors cannot be stored; "
                                     "call .dequantize() or store .int_repr() and the scales")
@@ -106,15 +107,15 @@ def checked_target(t: torch.Tensor, key: str) -> None:
     """A (local) load target that can be read into in place, or UnsupportedValueError
     naming ``key`` and the reason: sparse, nested and quantized tensors (the layouts
     :func:`checked_tensor` refuses to save) have no dense memory of the saved shape."""
+    if t.is_nested:
+        raise UnsupportedValueError(f"load target {key!r} is a nested tensor: a checkpoint is loaded "
+                                    "in place into dense (strided) tensors only")
     if t.layout != torch.strided:
         what = f"sparse tensor ({t.layout})" if "sparse" in str(t.layout) else f"{t.layout} tensor"
         raise UnsupportedValueError(
             f"load target {key!r} is a {what}: a checkpoint is loaded in place into "
             "dense (strided) tensors; pass a dense target (e.g. torch.empty(shape, dtype=...)) "
             "and convert it afterwards (.to_sparse())")
-    if t.is_nested:
-        raise UnsupportedValueError(f"load target {key!r} is a nested tensor: a checkpoint is loaded "
-                                    "in place into dense (strided) tensors only")
     if t.is_quantized:
         raise UnsupportedValueError(f"load target {key!r} is a quantized tensor: a checkpoint is loaded "
                                     "in place into dense (strided) tensors only; load into a float "
