@@ -36,8 +36,8 @@ OPS = {"save": ("save", "seconds"), "async blocked": ("async", "blocked"), "asyn
        "load": ("load", "seconds")}
 
 
-def worktree(rev: str, where: str) -> str:
-    path = os.path.join(where, rev.replace("/", "_"))
+def worktree(rev: str, where: str, side: str) -> str:
+    path = os.path.join(where, f"{side}-{rev.replace('/', '_')}")  # A and B may name the same revision
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", path, rev], check=True,
                    stdout=subprocess.DEVNULL)
     return path
@@ -111,10 +111,11 @@ def main() -> None:
     bench_args = argv[cut + 1:]
     os.makedirs(opts.out_dir, exist_ok=True)
     where = tempfile.mkdtemp(prefix="zarrckpt-ab-")
-    trees = {"A": worktree(opts.a, where), "B": worktree(opts.b, where)}
+    trees: dict[str, str] = {}
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     counts: dict[str, list[dict]] = {"A": [], "B": []}
     try:
+        trees["A"], trees["B"] = worktree(opts.a, where, "A"), worktree(opts.b, where, "B")
         for i in range(opts.rounds):
             for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
                 out = os.path.join(opts.out_dir, f"{side}{i}.json")
