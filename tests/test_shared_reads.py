@@ -133,3 +133,29 @@ def test_on_s3_the_default_shares_and_cuts_the_requests(s3, clusters):
     # per rank: the root, then an index and an inner chunk per array; shared: a GET per array
     # for the whole job, plus the root per rank
     assert n_own >= 2 * arrays * W and n_shared <= arrays + 4 * W, (n_shared, n_own)
+
+
+def test_a_padding_index_entry_outside_its_shard_is_refused():
+    """Spec §5.5: a present index entry must lie inside the shard, also for an inner chunk
+    wholly in the padding that no read decodes (shared reads parse indexes themselves;
+    issue 28 item 11)."""
+    import crc32c
+    import numpy as np
+
+    from zarrckpt.api.shared_reads import decode
+    from zarrckpt.errors import CorruptChunkError
+    from zarrckpt.storage import ChunkCodec
+
+    codec = ChunkCodec((4, 4), (8, 4), (4, 4), True, np.dtype("float32"))  # inner chunk 1: padding only
+    tile = np.arange(16, dtype=np.float32)
+    body = tile.tobytes() + crc32c.crc32c(tile.tobytes()).to_bytes(4, "little")
+
+    def shard(entry1):
+        index = np.array([[0, 68], entry1], dtype="<u8").tobytes()
+        return body + index + crc32c.crc32c(index).to_bytes(4, "little")
+
+    absent = 2**64 - 1
+    assert np.array_equal(decode(shard([absent, absent]), codec, (0, 0), ((0, 4), (0, 4)), "c/0/0"),
+                          tile.reshape(4, 4))
+    with pytest.raises(CorruptChunkError, match=r"c/0/0, inner chunk \[1, 0\].*does not fit"):
+        decode(shard([1000, 68]), codec, (0, 0), ((0, 4), (0, 4)), "c/0/0")

@@ -40,7 +40,7 @@ from ..distributed import group as zdist
 from ..errors import CorruptChunkError
 from ..format import dtypes
 from ..format.layout import slices as _slices
-from ..storage import ChunkCodec, chunk_codec, inner_offset
+from ..storage import ChunkCodec, check_index, chunk_codec, inner_offset
 from ..storage.inflight import wait_all
 
 __all__ = ["PIECE_BYTES", "Piece", "ROUND_BYTES", "decode", "owner", "run", "split"]
@@ -264,6 +264,7 @@ def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, whe
     end = len(mv) - n
     _check(mv[end:-4], mv[-4:], where + " (its shard index)")
     table = np.frombuffer(mv[end:-4], dtype="<u8").reshape(codec.count, 2)
+    check_index(table, codec, end, lambda j: f"{where}, inner chunk {list(j)}")  # padding entries too
     for j in codec.present(index):
         off = inner_offset(table, codec, j, end, f"{where}, inner chunk {j}")
         body = mv[off:off + codec.inner_nbytes]
