@@ -1,4 +1,4 @@
-"""Write the golden checkpoints of one format version: ``python tests/make_golden.py 1.2``.
+"""Write the golden checkpoints of one format version: ``python tests/make_golden.py 1.3``.
 
 Golden checkpoints are small checkpoints written by a released (or draft) version of the
 format and committed under ``tests/golden/<version>/``; ``tests/test_golden.py`` checks that
@@ -20,7 +20,8 @@ From 1.1 on (``PLANS``) the set is smaller, to stay below 200 KB per version, an
 version brought: ``bytesio`` leaves (packed and not), ShardedTensors (``ChunkShardingSpec``
 on dim 0 and dim 1, uneven) and root ``metadata`` (1.1); consolidated metadata in every root,
 no packing by default and grouped chunks (``chunk_target_bytes``, 256 MiB) for the DTensors
-(1.2). Options are passed explicitly, never taken from the writer's defaults. The writer of
+(1.2); the table of chunk positions in every root, ``digests.chunks`` (1.3, the saves of 1.2).
+Options are passed explicitly, never taken from the writer's defaults. The writer of
 1.2 writes 1.1 too: the checkpoints of 1.1 are 1.2 saves with the options of 1.1's writer
 (``pack_bytes=65536`` by default, no grouped chunks), rewritten as 1.1 by
 ``tests/_v11.as_format_1_1`` (the root loses ``consolidated_metadata`` and says 1.1, digest
@@ -366,6 +367,15 @@ PLANS: dict[str, dict[str, Any]] = {
                  "four_ranks_stages": {"compression": {"name": "gzip", "level": 5}, "pack_bytes": 0,
                                        "chunk_target_bytes": GROUPED}},
     },
+    # 1.3: the table of chunk positions (digests.chunks); the same saves as 1.2
+    "1.3": {
+        "writer": "1.3", "rewrite": None,
+        "single": {"one_default": {"pack_bytes": 0, "chunk_target_bytes": GROUPED},
+                   "one_packed": {"pack_bytes": 1024, "chunk_target_bytes": GROUPED}},
+        "dist": {"four_ranks_dtensor": {"inner_chunk_bytes": 8, "pack_bytes": 0, "chunk_target_bytes": GROUPED},
+                 "four_ranks_stages": {"compression": {"name": "gzip", "level": 5}, "pack_bytes": 0,
+                                       "chunk_target_bytes": GROUPED}},
+    },
 }
 
 
@@ -514,4 +524,4 @@ def _full_dist_state(world: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "1.2", Path(sys.argv[2]) if len(sys.argv) > 2 else GOLDEN)
+    main(sys.argv[1] if len(sys.argv) > 1 else "1.3", Path(sys.argv[2]) if len(sys.argv) > 2 else GOLDEN)

@@ -1,4 +1,4 @@
-"""Golden checkpoints of formats 1.1 and 1.2 (``tests/golden/v1.1``, ``v1.2``, written by
+"""Golden checkpoints of formats 1.1, 1.2 and 1.3 (``tests/golden/v1.1``, ``v1.2``, ``v1.3``, written by
 ``tests/make_golden.py``): what each version brought is in them, and a damaged copy is refused.
 
 ``tests/test_golden.py`` reads every golden version bit for bit against its ``manifest.json``
@@ -27,7 +27,7 @@ from test_spec import spec_leaves
 from zarrckpt import errors
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-NEW = ["v1.1", "v1.2"]
+NEW = ["v1.1", "v1.2", "v1.3"]
 SIZE_LIMIT = 200_000  # bytes per version, manifest included
 
 
@@ -145,6 +145,28 @@ def _chunk_shape(version: str, array: str) -> list[int]:
     return doc["chunk_grid"]["configuration"]["chunk_shape"]
 
 
+def test_1_3_roots_record_a_table_of_chunk_positions_for_every_array():
+    """§6.6 (1.3): digests.chunks names every array, with 4 bytes per unit of its unit grid;
+    roots before 1.3 have none."""
+    import base64
+
+    from zarrckpt.format import documents as fmt
+
+    for name in manifest("v1.3")["checkpoints"]:
+        root = json.loads((GOLDEN / "v1.3" / name / "zarr.json").read_bytes())
+        attrs = root["attributes"]["zarrckpt"]
+        assert attrs["version"] == "1.3"
+        tables = attrs["digests"]["chunks"]
+        assert set(tables) == set(attrs["digests"]["arrays"]), name
+        for path, text in tables.items():
+            doc = root["consolidated_metadata"]["metadata"][path]
+            assert len(base64.b64decode(text, validate=True)) == 4 * int(np.prod(fmt.unit_grid(doc))), (name, path)
+    for version in ("v1.1", "v1.2"):
+        for name in manifest(version)["checkpoints"]:
+            attrs = json.loads((GOLDEN / version / name / "zarr.json").read_bytes())["attributes"]["zarrckpt"]
+            assert "chunks" not in attrs["digests"], (version, name)
+
+
 def test_1_2_groups_shards_into_chunks():
     """C.1 step 3: with chunk_target_bytes the 1.2 writer's chunk holds several shards (cells);
     the 1.1 writer wrote one chunk per shard."""
@@ -192,7 +214,7 @@ def test_zarr_python_reads_1_2_arrays_through_consolidated_metadata():
 # ------------------------------------------------------------------ damaged copies
 
 
-DEFAULT = {"v1.1": "one_unpacked", "v1.2": "one_default"}
+DEFAULT = {"v1.1": "one_unpacked", "v1.2": "one_default", "v1.3": "one_default"}
 
 
 def _copy(tmp_path: Path, version: str, name: str) -> Path:

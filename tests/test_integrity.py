@@ -77,7 +77,7 @@ def read_everything(path: Path) -> None:
 
 def test_committed_root_records_digests_of_every_array_and_itself(saved):
     attrs = root_attrs(saved)
-    assert attrs["version"] == fmt.FORMAT_VERSION == "1.2"
+    assert attrs["version"] == fmt.FORMAT_VERSION == "1.3"
     digests = attrs["digests"]
     assert digests["algorithm"] == "sha256"
     assert set(digests["arrays"]) == {"big", ".packs/0"} and attrs["num_arrays"] == 2

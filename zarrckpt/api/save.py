@@ -333,12 +333,13 @@ class SaveRun:
                                    error=error)
         self._timed("prepare", t0)
 
-    def _root(self, state: str) -> dict:
+    def _root(self, state: str, chunk_crcs: dict | None = None) -> dict:
         return fmt.root_metadata(
             state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
             writer=fmt.writer_versions(), tree=self.tree if state == "committed" else None,
             array_docs=self.all_docs if state == "committed" else None,
             **({"metadata": self.metadata} if self.metadata is not None else {}),
+            chunk_crcs=chunk_crcs,  # spec §6.6 (1.3): every rank's chunk CRCs, gathered at C2
         )
 
     def _plan_exchange(self) -> None:
@@ -550,8 +551,9 @@ class SaveRun:
                 documents = {p.key: p.metadata for p in self.arrays
                              if p.coord is not None and p.layout.metadata_writer() == p.coord}
                 arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
+                self.chunk_crcs = {}  # spec §6.6: this rank's chunk CRCs, for the root (finish)
                 self.bytes_written += engine.write_arrays(self.store, documents, arrays,
-                                                          self.options.max_inflight_bytes)
+                                                          self.options.max_inflight_bytes, self.chunk_crcs)
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         finally:
@@ -607,7 +609,8 @@ class SaveRun:
     def finish(self, error: BaseException | None, g: zdist.Group) -> None:
         """C2 (all data durable), the commit, C3; over group ``g`` (engine.finish)."""
         t0 = time.perf_counter()
-        engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"))
+        engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"),
+                      crcs=getattr(self, "chunk_crcs", None))
         self._timed("commit", t0)
 
     def abandon(self) -> None:

@@ -45,12 +45,14 @@ which is begin/C1, write_arrays, C2, publish, C3 here (``_commit`` does the rena
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import crc32c
 import numpy as np
 
 from . import commit as _commit
@@ -170,9 +172,13 @@ class ChunkWriter:
     BATCH_FILES = 16
     BATCH_BYTES = 4 << 20
 
-    def __init__(self, store: Storage, max_inflight_bytes: int) -> None:
+    def __init__(self, store: Storage, max_inflight_bytes: int,
+                 crcs: dict[str, dict[tuple[int, ...], np.ndarray]] | None = None) -> None:
         self.store = store
         self.bytes_written = 0
+        # spec §6.6 (format 1.3): key -> chunk index -> the CRC-32C of each of the chunk's
+        # units, filled in by the writes (computed where each write computes its CRCs)
+        self.crcs = crcs
         self._batch: list | None = [] if getattr(store, "puts_files", False) else None
         self._batch_bytes = 0
         self._pending = InFlight(max_inflight_bytes, op="write", abort=store.is_object_store)
@@ -225,14 +231,23 @@ class ChunkWriter:
               data: np.ndarray) -> None:
         """Write one chunk (``data`` of the box's shape and the array's dtype; it must not
         change until the write completes)."""
+        slot = None
+        if self.crcs is not None:
+            units = fmt.unit_shape(document)
+            present = tuple(min(c // n, -(-(b - a) // n)) for (a, b), c, n in
+                            zip(box, document["chunk_grid"]["configuration"]["chunk_shape"], units))
+            slot = self.crcs.setdefault(key, {})[index] = np.zeros(present, np.uint32)
         if self.is_fast(key, document, data.shape):
             if self._batch is not None:
-                self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True)
+                self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True if slot is None else slot)
                 self.bytes_written += data.nbytes
                 return
-            future = self.store.write_plain_chunk(key, index, data)
+            crc = None
+            if slot is not None:
+                slot[...] = crc = crc32c.crc32c(plain_body(data))
+            future = self.store.write_plain_chunk(key, index, data, crc)
         else:
-            future = self._array(key, document).write(box, data, stable=True)
+            future = self._array(key, document).write(box, data, stable=True, crcs=slot)
         self.bytes_written += data.nbytes
         self._pending.add(key, future, data.nbytes)
 
@@ -273,12 +288,14 @@ class ChunkWriter:
 
 
 def write_arrays(store: Storage, documents: Mapping[str, Mapping[str, Any]], arrays: Sequence[ArrayWrite],
-                 max_inflight_bytes: int) -> int:
+                 max_inflight_bytes: int, crcs: dict | None = None) -> int:
     """Every rank, between C1 and C2: write the array ``documents`` (key -> ``zarr.json``)
     this rank writes, then the chunks of ``arrays`` in order; wait for all, then one
     syncfs. Returns the bytes of chunk data written. A failure is raised after every
-    write issued has completed (or was cancelled)."""
-    with ChunkWriter(store, max_inflight_bytes) as out:
+    write issued has completed (or was cancelled). ``crcs``: a dict that receives, per
+    array key and chunk index, the CRC-32Cs of the chunk's units (spec §6.6), for
+    :func:`finish`."""
+    with ChunkWriter(store, max_inflight_bytes, crcs) as out:
         for key, doc in documents.items():
             out.document(key, doc)
         for a in arrays:  # open every array that needs TensorStore at once
@@ -325,18 +342,54 @@ def begin(group: Group, location: Storage, save_id: str, overwrite: bool, pendin
 
 
 def finish(group: Group, url: str, target: _commit.Target | None, error: BaseException | None,
-           committed_root: Callable[[], dict]) -> None:
+           committed_root: Callable[..., dict], crcs: dict | None = None) -> None:
     """C2 (``error``: this rank's write failure, None if its data is durable); rank 0
     commits ``committed_root()`` (``_commit.publish``); C3. The caller abandons the save
-    if this raises."""
+    if this raises.
+
+    ``crcs`` (this rank's, from :func:`write_arrays`): after C2 they are gathered to rank 0
+    (one gather of small lists: 4 bytes per unit written, ~40 per chunk, and the keys) and
+    rank 0 commits ``committed_root(chunk_crcs=every rank's)``, a root of format 1.3 with the
+    table of chunk positions (spec §6.6). A group that cannot gather (no ``gather_to_root``)
+    commits ``committed_root()``, a 1.2 root."""
     group.agree(error, f"writing the save to {url!r}", SaveFailedError)
     error = None
+    gathered = _gather_crcs(group, crcs) if crcs is not None else None
     if group.rank == 0:
         try:
+            if gathered is not None:
+                committed_root = functools.partial(committed_root, chunk_crcs=_merge_crcs(gathered))
             _commit.publish(target, committed_root())
         except BaseException as e:  # noqa: BLE001 - reported to every rank at C3
             error = e
     group.agree(error, f"committing the save to {url!r}", SaveFailedError)
+
+
+def _gather_crcs(group: Group, crcs: dict) -> list | None:
+    """Every rank's CRC-32Cs on rank 0 (a list per rank; None elsewhere, and None on every
+    rank of a group that cannot gather). Each rank sends ``{key: [(chunk index, shape,
+    uint32 bytes)]}``: the bytes per rank are 4 per unit it wrote plus ~40 per chunk and
+    its array keys (a 70B model at 1,024 ranks: ~3 KB of CRCs per rank, 3.2 MB on rank 0)."""
+    if group.size == 1:
+        return [crcs]
+    gather = getattr(group, "gather_to_root", None)
+    if gather is None:
+        return None
+    mine = {key: [(index, a.shape, a.astype("<u4").tobytes()) for index, a in chunks.items()]
+            for key, chunks in crcs.items()}
+    views = gather(mine)
+    if views is None:
+        return None
+    return [{key: {index: np.frombuffer(raw, "<u4").reshape(shape) for index, shape, raw in chunks}
+             for key, chunks in view.items()} for view in views]
+
+
+def _merge_crcs(views: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for view in views:
+        for key, chunks in view.items():
+            out.setdefault(key, {}).update(chunks)
+    return out
 
 
 def abandon(group: Group, target: _commit.Target | None) -> None:

@@ -181,7 +181,8 @@ class Writer:
                                     created=self.created, writer=self._writer)
         self._target = engine.begin(_ONE, self.location, self.save_id, overwrite, pending, [])
         self.store = self._target.store
-        self._out = engine.ChunkWriter(self.store, max_inflight_bytes)
+        self._crcs: dict = {}  # spec §6.6: every chunk's CRC-32Cs, for the table of positions
+        self._out = engine.ChunkWriter(self.store, max_inflight_bytes, self._crcs)
 
     @property
     def bytes_written(self) -> int:
@@ -377,7 +378,8 @@ class Writer:
                                     f"({len(missing)} incomplete); nothing was committed")
             tree = self.tree()
             self._out.finish()
-            engine.finish(_ONE, self.url, self._target, None, functools.partial(self._committed_root, tree))
+            engine.finish(_ONE, self.url, self._target, None, functools.partial(self._committed_root, tree),
+                          crcs=self._crcs)
         except BaseException:
             self.abandon()
             raise
@@ -385,12 +387,13 @@ class Writer:
         return {"path": self.url, "save_id": self.save_id, "arrays": len(self._docs),
                 "leaves": len(self._arrays), "bytes_written": self.bytes_written}
 
-    def _committed_root(self, tree: dict) -> dict:
+    def _committed_root(self, tree: dict, chunk_crcs: dict | None = None) -> dict:
         """The committed root, parsed as a reader will (spec §6.1-6.3, §6.6), so that a
         save never commits a checkpoint that readers refuse; a failure is a bug of the
         writer, reported before the commit."""
         root = fmt.root_metadata(state="committed", save_id=self.save_id, world_size=1, created=self.created,
-                                 writer=self._writer, tree=tree, array_docs=self._docs, metadata=self.metadata)
+                                 writer=self._writer, tree=tree, array_docs=self._docs, metadata=self.metadata,
+                                 chunk_crcs=chunk_crcs)
         try:
             fmt.parse_root_bytes(fmt.encode_document(root), self.url)
         except ZarrckptError as e:

@@ -8,11 +8,15 @@ naming the key. No I/O here.
 
 Integrity (spec §6.6): a committed root of format 1.1 records the SHA-256 of every array's
 ``zarr.json`` bytes and of its own bytes (with its own digest replaced by 64 zeros), so
-that a changed byte anywhere in the metadata is an error, never a different value.
+that a changed byte anywhere in the metadata is an error, never a different value. From
+1.3 it also records the CRC-32C each chunk (or inner chunk) must carry at its position
+(``digests.chunks``), so that chunk bytes moved to another place are an error too.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as _dt
 import hashlib
 import json
@@ -60,6 +64,7 @@ __all__ = [
     "check_metadata",
     "check_shape",
     "chunk_key",
+    "chunk_table",
     "compression_codec",
     "consolidated_metadata",
     "decode_document",
@@ -72,6 +77,7 @@ __all__ = [
     "lock_name",
     "new_save_id",
     "parse_array",
+    "parse_chunk_table",
     "parse_leftover_name",
     "parse_packed",
     "parse_root",
@@ -83,6 +89,8 @@ __all__ = [
     "root_state",
     "staging_name",
     "step_name",
+    "unit_grid",
+    "unit_shape",
     "utc_from_us",
     "utc_now",
     "with_packed_nodes",
@@ -90,7 +98,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zarrckpt"
-FORMAT_VERSION = "1.2"  # major.minor; readers refuse another major (spec §9)
+FORMAT_VERSION = "1.3"  # major.minor; readers refuse another major (spec §9)
 ATTR = "zarrckpt"  # the attributes member holding zarrckpt's metadata
 PACKS = ".packs"  # group of pack arrays; no escaped key starts with "." (spec §4)
 DIGEST_ALGORITHM = "sha256"
@@ -352,6 +360,57 @@ def chunk_key(index: Iterable[int]) -> str:
 _STEP_NAME = re.compile(r"step_([0-9]+)")
 
 
+def unit_shape(doc: Mapping[str, Any]) -> tuple[int, ...]:
+    """The shape of an array's *units* (spec §6.6): its inner chunks when sharded, else its
+    chunks; from a valid array ``zarr.json``."""
+    codecs = doc["codecs"]
+    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+        return tuple(codecs[0]["configuration"]["chunk_shape"])
+    return tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+
+
+def unit_grid(doc: Mapping[str, Any]) -> tuple[int, ...]:
+    """Units per dimension that overlap the array (spec §6.6): ``ceil(shape / unit)``; the
+    table of positions lists them in C order (``()`` for a 0-d array: one unit)."""
+    return tuple(-(-s // n) for s, n in zip(doc["shape"], unit_shape(doc)))
+
+
+def chunk_table(doc: Mapping[str, Any], chunks: Mapping[tuple[int, ...], np.ndarray], path: str) -> str:
+    """Writers: ``digests.chunks[path]`` (spec §6.6), the CRC-32C of every unit of the array
+    in C order of the unit grid, little-endian uint32, base64; ``chunks`` maps every chunk
+    index to the CRC-32Cs of its units that overlap the array (the chunk's part of the unit
+    grid). ValueError if a unit has none (a chunk that was not written)."""
+    grid = unit_grid(doc)
+    per = tuple(c // n for c, n in zip(doc["chunk_grid"]["configuration"]["chunk_shape"], unit_shape(doc)))
+    table = np.zeros(grid, "<u4")
+    seen = np.zeros(grid, bool)
+    for index, crcs in chunks.items():
+        part = tuple(slice(i * p, min((i + 1) * p, g)) for i, p, g in zip(index, per, grid))
+        table[part] = crcs
+        seen[part] = True
+    if not seen.all():
+        missing = tuple(int(x) for x in np.argwhere(~seen)[0]) if grid else ()
+        raise ValueError(f"array {path!r}: no CRC-32C was reported for its unit {list(missing)} "
+                         f"(chunk {[u // p for u, p in zip(missing, per)]}): a chunk was not written")
+    return base64.b64encode(table.tobytes()).decode("ascii")
+
+
+def parse_chunk_table(text: Any, doc: Mapping[str, Any], key: str) -> np.ndarray:
+    """Readers: the table of positions of one array (spec §6.6) as a flat uint32 array in
+    C order of its unit grid, checked: a base64 string (RFC 4648, padded, no line breaks)
+    of exactly 4 bytes per unit of the array's (validated) metadata ``doc``."""
+    where = f"array {key!r}: digests.chunks"
+    _need(isinstance(text, str), where, f"must be a base64 string, found {_json_type(text)}")
+    try:
+        raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise FormatError(f"{where} is not a base64 string") from None
+    count = math.prod(unit_grid(doc))
+    _need(len(raw) == 4 * count, where,
+          f"holds {len(raw)} bytes, expected 4 per unit: {count} units of {list(unit_shape(doc))}")
+    return np.frombuffer(raw, "<u4")
+
+
 def step_name(step: int) -> str:
     """The directory of step ``step`` in a run of checkpoints (spec §7.7): ``step_`` and
     the step in decimal, zero-padded to 8 digits."""
@@ -534,8 +593,15 @@ def root_metadata(
     tree: dict | None = None, num_arrays: int | None = None,
     array_docs: Mapping[str, Mapping[str, Any]] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    chunk_crcs: Mapping[str, Mapping[tuple[int, ...], np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """The root ``zarr.json`` document (spec §6.1), pending or committed.
+
+    ``chunk_crcs``: for a committed root, ``{array path: {chunk index: CRC-32Cs}}`` of
+    every chunk of every array, each an array of the chunk's units that overlap the array
+    (spec §6.6: a whole chunk, or its inner chunks in C order); the root records them as
+    ``digests.chunks`` and says version 1.3. Without them (writers that do not collect the
+    CRCs yet) a committed root with ``array_docs`` says version 1.2, which has no such table.
 
     ``metadata``: the caller's own JSON object (step, metrics ...), stored in the committed
     root as ``metadata`` (§6.1) and covered by its digest; checked like tree values (§6.2).
@@ -577,6 +643,11 @@ def root_metadata(
         "root": ZERO_DIGEST,
         "arrays": {path: sha256_hex(encode_document(array_docs[path])) for path in sorted(array_docs)},
     }
+    if chunk_crcs is None:
+        attrs["version"] = "1.2"  # no table of chunk positions (spec §9: the version before it)
+    else:
+        attrs["digests"]["chunks"] = {path: chunk_table(array_docs[path], chunk_crcs.get(path, {}), path)
+                                      for path in sorted(array_docs)}
     doc = group_metadata(attrs)
     doc["consolidated_metadata"] = consolidated_metadata(array_docs)
     attrs["digests"]["root"] = sha256_hex(encode_document(doc))
@@ -635,6 +706,7 @@ class RootInfo:
     array_digests: Mapping[str, str] | None = None  # array path -> SHA-256 (1.1 and later)
     metadata: dict[str, Any] | None = None  # the caller's metadata object (1.1 and later)
     consolidated: Mapping[str, Any] | None = None  # node path -> its zarr.json (1.2 and later)
+    chunk_tables: Mapping[str, str] | None = None  # array path -> digests.chunks entry (1.3 and later)
 
 
 @dataclass(frozen=True)
@@ -776,8 +848,22 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     # root's (added by a generic tool, say) is not the writer's and is ignored
     consolidated = (_parse_consolidated(doc.get("consolidated_metadata"), paths, minor, where)
                     if minor >= 2 else None)
+    # the table of chunk positions is used from 1.3 on, where it is REQUIRED; an older
+    # root's member of that name is not this format's and is ignored (spec §9)
+    chunk_tables = None
+    if minor >= 3:
+        chunk_tables = digests.get("chunks")
+        _need(isinstance(chunk_tables, dict) and all(isinstance(v, str) for v in chunk_tables.values()), where,
+              f"a committed root of version {version} must record digests.chunks, an object of base64 "
+              "strings (spec §6.6)")
+        if set(chunk_tables) != paths:
+            extra, missing = sorted(set(chunk_tables) - paths), sorted(paths - set(chunk_tables))
+            raise IntegrityError(
+                f"{where}: digests.chunks does not list exactly the arrays of the tree"
+                + (f"; not in the tree: {extra[:5]}" if extra else "")
+                + (f"; without a table: {missing[:5]}" if missing else ""))
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
-                    tuple(leaves), frozenset(paths), array_digests, metadata, consolidated)
+                    tuple(leaves), frozenset(paths), array_digests, metadata, consolidated, chunk_tables)
 
 
 def _parse_consolidated(cm: Any, paths: set[str], minor: int, where: str) -> dict[str, Any] | None:

@@ -542,13 +542,20 @@ class Checkpoint(CheckpointView):
         if array is None:
             info = self._info_at(path)
             try:
-                array = self.storage.open_for_read(path, info.metadata).result()
+                array = self.storage.open_for_read(path, info.metadata, self._positions(path, info)).result()
             except Exception as e:  # noqa: BLE001
                 raise translate_error(e, path) from e
             if not array.checks_files:  # TensorStore opens the chunk files itself
                 self._check_files(path, path)
             self._handles[path] = array
         return array
+
+    def _positions(self, path: str, info: fmt.ArrayInfo) -> np.ndarray | None:
+        """The table of chunk positions of the array at ``path`` (spec §6.6, format 1.3 on;
+        None before): the CRC-32C each of its units must carry, checked against its metadata."""
+        if self.info.chunk_tables is None:
+            return None
+        return fmt.parse_chunk_table(self.info.chunk_tables[path], info.metadata, info.key)
 
     def _pack_info(self, path: str, leaf: str | None = None) -> fmt.ArrayInfo:
         """The verified info of the pack at ``path``; errors name ``leaf`` (a leaf packed in

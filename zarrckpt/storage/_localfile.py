@@ -42,8 +42,8 @@ from .base import Array, tile_grid
 from ..format import dtypes
 from ..errors import CorruptChunkError, FormatError
 
-__all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "inner_offset",
-           "release_buffers"]
+__all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "fill_scalar",
+           "inner_offset", "misplaced", "release_buffers", "unit_crcs", "units_codec"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -75,6 +75,28 @@ class ChunkCodec:
     inner: tuple[int, ...]
     sharded: bool
     dtype: np.dtype
+    fill: Any = None  # the fill value as a 0-d array of ``dtype`` (padding); None: zero bytes
+
+    def fill_value(self) -> np.ndarray:
+        return np.zeros((), self.dtype) if self.fill is None else self.fill
+
+    @property
+    def unit_grid(self) -> tuple[int, ...]:
+        """Units (inner chunks, or chunks) per dimension that overlap the array (spec §6.6)."""
+        return tuple(-(-n // i) for n, i in zip(self.shape, self.inner))
+
+    def present_shape(self, chunk_index: tuple[int, ...]) -> tuple[int, ...]:
+        """The box of a chunk's units that overlap the array (``present`` is its C order)."""
+        return tuple(max(0, min(g, -(-(n - c * cs) // i))) for c, cs, g, i, n in
+                     zip(chunk_index, self.chunk, self.grid, self.inner, self.shape))
+
+    def unit_linear(self, chunk_index: tuple[int, ...], j: tuple[int, ...]) -> int:
+        """The position of inner chunk ``j`` of a chunk in the table of positions (C order of
+        the unit grid, spec §6.6)."""
+        out = 0
+        for c, g, k, u in zip(chunk_index, self.grid, j, self.unit_grid):
+            out = out * u + c * g + k
+        return out
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -114,6 +136,69 @@ class ChunkCodec:
                                                                       self.shape))]
 
 
+def fill_scalar(value: Any, dtype: np.dtype) -> np.ndarray:
+    """A (valid, spec §5.2) JSON fill value as a 0-d array of ``dtype``."""
+    def one(v: Any, dt: np.dtype) -> np.ndarray:
+        if isinstance(v, str) and v.startswith("0x"):
+            return np.frombuffer(int(v, 16).to_bytes(dt.itemsize, "little"), dt).reshape(())
+        if isinstance(v, str):
+            v = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}[v]
+        if isinstance(v, (bool, int)) and dt.kind in "biu":
+            return np.array(v, dt)
+        return np.array(v, np.float64).astype(dt)
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        part = np.dtype(f"<f{dtype.itemsize // 2}")
+        out = np.zeros((), dtype)
+        out.real, out.imag = one(value[0], part), one(value[1], part)
+        return out
+    return one(value, dtype)
+
+
+def units_codec(metadata: dict[str, Any]) -> ChunkCodec:
+    """The chunk and unit shapes of a valid array ``zarr.json`` whatever its codec chain
+    (compressed too): what the table of positions (spec §6.6) is laid out by."""
+    shape = tuple(metadata["shape"])
+    chunk = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    codecs = metadata["codecs"]
+    sharded = len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed"
+    inner = tuple(codecs[0]["configuration"]["chunk_shape"]) if sharded else chunk
+    dtype = np.dtype(dtypes.by_zarr(metadata["data_type"]).numpy)
+    return ChunkCodec(shape, chunk, inner, sharded, dtype, fill_scalar(metadata["fill_value"], dtype))
+
+
+def unit_crcs(codec: ChunkCodec, index: tuple[int, ...], data: np.ndarray) -> np.ndarray:
+    """The CRC-32C of the decoded bytes of each unit of chunk ``index`` that overlaps the
+    array (spec §6.6: its elements in C order, little-endian, padding = the fill value),
+    from ``data``, the chunk's part inside the array (any strides); ``uint32`` of
+    :meth:`ChunkCodec.present_shape`. A unit that is contiguous in ``data`` is read in
+    place; others go through a per-thread buffer of one unit."""
+    out = np.empty(codec.present_shape(index), np.uint32)
+    origin = tuple(i * c for i, c in zip(index, codec.chunk))
+    for j in np.ndindex(*out.shape):
+        out[j] = _unit_crc(codec, _sub(data, codec.inner_box(index, j), origin))
+    return out
+
+
+def _unit_crc(codec: ChunkCodec, tile: np.ndarray) -> int:
+    """CRC-32C of one unit's decoded bytes from ``tile``, its part inside the array."""
+    if tile.shape == codec.inner and tile.flags.c_contiguous and sys.byteorder == "little":
+        return crc32c.crc32c(_bytes_of(tile))
+    buf = _scratch(codec.inner_nbytes).view(codec.dtype).reshape(codec.inner)
+    if tile.shape != codec.inner:
+        buf[...] = codec.fill_value()
+    np.copyto(buf[tuple(slice(0, s) for s in tile.shape)], tile, casting="no")
+    return crc32c.crc32c(_bytes_of(buf))
+
+
+def misplaced(where: str, got: int, want: int) -> CorruptChunkError:
+    """The error of a unit whose bytes are intact but recorded for another position."""
+    return CorruptChunkError(
+        f"{where} holds bytes that do not belong at its position: their CRC-32C is {got:08x}, the root "
+        f"records {want:08x} for it (spec §6.6: chunk files swapped or copied, or a shard index entry "
+        "that points at another inner chunk)")
+
+
 def chunk_codec(metadata: dict[str, Any]) -> ChunkCodec | None:
     """The :class:`ChunkCodec` of an array ``zarr.json``, or None when its chunks are not
     of the two forms above (those go through TensorStore)."""
@@ -129,15 +214,16 @@ def chunk_codec(metadata: dict[str, Any]) -> ChunkCodec | None:
         chunk = tuple(grid["configuration"]["chunk_shape"])
         dtype = dtypes.by_zarr(metadata["data_type"]).numpy
         codecs = metadata["codecs"]
+        fill = fill_scalar(metadata["fill_value"], np.dtype(dtype))
         if _plain(codecs):
-            return ChunkCodec(shape, chunk, chunk, False, np.dtype(dtype))
+            return ChunkCodec(shape, chunk, chunk, False, np.dtype(dtype), fill)
         if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
             cfg = codecs[0]["configuration"]
             inner = tuple(cfg["chunk_shape"])
             if (_plain(cfg["codecs"]) and _plain(cfg["index_codecs"])
                     and cfg.get("index_location", "end") == "end"
                     and len(inner) == len(chunk) and all(i > 0 and c % i == 0 for c, i in zip(chunk, inner))):
-                return ChunkCodec(shape, chunk, inner, True, np.dtype(dtype))
+                return ChunkCodec(shape, chunk, inner, True, np.dtype(dtype), fill)
     except Exception:  # noqa: BLE001 - anything unusual goes through TensorStore
         return None
     return None
@@ -268,11 +354,15 @@ class LocalArray(Array):
 
     checks_files = True  # _open_chunk: each chunk file it opens
 
-    def __init__(self, directory: str, codec: ChunkCodec, key: str, *, threads: int, fsync: bool) -> None:
+    def __init__(self, directory: str, codec: ChunkCodec, key: str, *, threads: int, fsync: bool,
+                 positions: np.ndarray | None = None) -> None:
         self.dir = directory
         self.codec = codec
         self.key = key
         self.fsync = fsync
+        # the CRC-32C each unit must carry (spec §6.6, format 1.3): a unit's stored CRC is
+        # that of its decoded bytes here (uncompressed), so the check is one comparison
+        self.positions = positions
         self._pool = _pool(threads)
         self._dirs: set[str] = set()
         self._index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
@@ -290,7 +380,7 @@ class LocalArray(Array):
 
     # ---- write --------------------------------------------------------------
 
-    def _write(self, box: Box, data: np.ndarray, stable: bool) -> cf.Future:
+    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None) -> cf.Future:
         """Write the whole chunk ``box`` (clipped to the shape) from ``data`` (any strides);
         the caller keeps ``data`` unchanged until the future completes (always)."""
         c = self.codec
@@ -320,7 +410,7 @@ class LocalArray(Array):
         group = _Group(len(pieces) + (1 if c.sharded else 0), finish)
         for piece in pieces:
             self._pool.submit(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
-                                                                             slot))
+                                                                             slot, crcs))
         if c.sharded:
             table = np.full((c.count, 2), _ABSENT, dtype="<u8")
             for j, n in slot.items():
@@ -343,7 +433,7 @@ class LocalArray(Array):
             os.close(fd)
 
     def _write_inner(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
-                     piece: list[tuple[int, ...]], slot: dict) -> None:
+                     piece: list[tuple[int, ...]], slot: dict, crcs: np.ndarray | None = None) -> None:
         c = self.codec
         enc = c.inner_nbytes + 4
         fd = os.open(path, os.O_WRONLY)
@@ -356,11 +446,13 @@ class LocalArray(Array):
                 else:  # strided, or partly in the padding (filled with zero bytes)
                     buf = _scratch(c.inner_nbytes).view(c.dtype).reshape(c.inner)
                     if tile.shape != c.inner:
-                        buf[...] = np.zeros((), c.dtype)
+                        buf[...] = c.fill_value()
                     np.copyto(buf[tuple(slice(0, s) for s in tile.shape)], tile, casting="no")
                     body = _bytes_of(buf)
-                crc = crc32c.crc32c(body).to_bytes(4, "little")
-                _pwritev_all(fd, [body, crc], slot[j] * enc)
+                value = crc32c.crc32c(body)
+                if crcs is not None:
+                    crcs[j] = value
+                _pwritev_all(fd, [body, value.to_bytes(4, "little")], slot[j] * enc)
                 _count("bytes_written", enc)
         finally:
             os.close(fd)
@@ -483,6 +575,13 @@ class LocalArray(Array):
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptChunkError(f"{self._where(index)} is missing from storage") from None
 
+    def _check_position(self, index: tuple[int, ...], j: tuple[int, ...], stored: int) -> None:
+        """Spec §6.6: the (verified) CRC-32C of inner chunk ``j`` of chunk ``index`` is the
+        one the root records for that position."""
+        want = int(self.positions[self.codec.unit_linear(index, j)])
+        if stored != want:
+            raise misplaced(self._where(index, j), stored, want)
+
     def _table(self, fd: int, index: tuple[int, ...]) -> tuple[np.ndarray, int]:
         """(the shard index as (count, 2) uint64, where the inner chunks end), checked; kept
         for later reads of the chunk (a file that shrinks later fails those as truncated)."""
@@ -571,6 +670,8 @@ class LocalArray(Array):
                     _preadv_all(fd, [body, crc], off, self._where(index, j))
                     _count("bytes_read", enc)
                 _check(body, crc, lambda: self._where(index, j))
+                if self.positions is not None:
+                    self._check_position(index, j, int.from_bytes(crc, "little"))
                 tile = np.frombuffer(body, np.uint8).view(c.dtype).reshape(c.inner)
                 np.copyto(dst, _sub(tile, part, tuple(a for a, _ in ibox)), casting="no")
             run.flush(fd)
@@ -646,6 +747,9 @@ class _Run:
         if buf is None or n == 1 or crc32c.crc32c(buf) != combined_crc(stored, size):
             for k, (body, (index, j, _, _)) in enumerate(zip(bodies, items)):  # names the damaged one
                 _check(body, crcs[4 * k:4 * k + 4], lambda: self.array._where(index, j))
+        if self.array.positions is not None:  # each intact one is the one of its place
+            for got, (index, j, _, _) in zip(stored, items):
+                self.array._check_position(index, j, got)
 
     def _scatter(self, items: list, buf: memoryview) -> None:
         """Move the inner chunks from ``buf`` into the target, one copy per row of them."""

@@ -22,7 +22,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from ._localfile import LocalArray, _pwritev_all, chunk_codec
+from ._localfile import LocalArray, _pool, _pwritev_all, _sub, _unit_crc, chunk_codec, misplaced, unit_crcs, units_codec
 from ._localfile import counters as _direct_counters
 from . import base as _base
 from .base import Array, Box
@@ -489,11 +489,19 @@ def _put_file(path: str, data: Any, fsync: bool) -> None:
         os.close(fd)
 
 
-def _put_files(root: str, items: list[tuple[str, str, Any, bool]], fsync: bool) -> None:
+def _put_files(root: str, items: list[tuple[str, str, Any, Any]], fsync: bool) -> None:
+    """Write small objects: ``(key, array key, body, crc)``, ``crc`` False (the body alone),
+    True (the body and its CRC-32C) or a one-element ``uint32`` array (the same, and the
+    CRC-32C is stored there: spec §6.6's table of positions)."""
     for key, array_key, body, crc in items:
         try:
-            _put_file(os.path.join(root, key),
-                      [body, crc32c.crc32c(body).to_bytes(4, "little")] if crc else [body], fsync)
+            if crc is not False and crc is not True:
+                value = crc32c.crc32c(body)
+                crc.reshape(-1)[0] = value
+                bufs = [body, value.to_bytes(4, "little")]
+            else:
+                bufs = [body, crc32c.crc32c(body).to_bytes(4, "little")] if crc else [body]
+            _put_file(os.path.join(root, key), bufs, fsync)
         except OSError as e:
             e.zarrckpt_key = array_key  # inflight.wait_all names this array
             raise
@@ -524,11 +532,22 @@ def in_memory_array(data: np.ndarray) -> ts.TensorStore:
 
 
 class TensorStoreArray(Array):
-    """An open Zarr v3 array through TensorStore's zarr3 driver."""
+    """An open Zarr v3 array through TensorStore's zarr3 driver.
 
-    def __init__(self, store: ts.TensorStore, key: str) -> None:
+    TensorStore checks every CRC-32C it decodes but hides them. Chunk positions (spec §6.6,
+    format 1.3) are therefore checked on the decoded values: with ``positions``, a read
+    covers whole units (inner chunks, or chunks: TensorStore decodes whole ones anyway, so
+    no more bytes are fetched), computes the CRC-32C of each unit's decoded bytes (padding:
+    the fill value) and compares it with the table; a box that does not start and end on
+    unit boundaries is read into a buffer of the whole units, then copied. Writes given
+    ``crcs`` compute the same CRCs from the host data, beside the write."""
+
+    def __init__(self, store: ts.TensorStore, key: str, metadata: dict[str, Any] | None = None,
+                 positions: np.ndarray | None = None) -> None:
         self._ts = store
         self.key = key
+        self._units = units_codec(metadata) if metadata is not None else None
+        self._positions = positions
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -537,14 +556,98 @@ class TensorStoreArray(Array):
     def _region(self, box: Box | None) -> ts.TensorStore:
         return self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
 
-    def _write(self, box: Box, data: np.ndarray, stable: bool) -> ts.Future:
-        return self._region(box).write(data, can_reference_source_data_indefinitely=stable)
+    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None) -> Any:
+        write = self._region(box).write(data, can_reference_source_data_indefinitely=stable)
+        if crcs is None:
+            return write
+        u = self._units
+        index = tuple(a // c for (a, _), c in zip(box, u.chunk))
+        crc = _pool(_CRC_THREADS).submit(lambda: crcs.__setitem__(..., unit_crcs(u, index, data)))
+        return _Both(write, crc)
 
-    def _read_into(self, box: Box, out: np.ndarray) -> ts.Future:
-        return ts.array(out, copy=False, write=True).write(self._region(box))
+    def _read_into(self, box: Box, out: np.ndarray) -> Any:
+        if self._positions is None or not out.size:
+            return ts.array(out, copy=False, write=True).write(self._region(box))
+        u = self._units
+        whole = tuple((a - a % n, min(-(-b // n) * n, s)) for (a, b), n, s in zip(box, u.inner, u.shape))
+        into = out if whole == box else np.empty([b - a for a, b in whole], u.dtype)
+        read = ts.array(into, copy=False, write=True).write(self._region(whole))
+        result: cf.Future = cf.Future()
+
+        def check() -> None:
+            try:
+                self._check_units(whole, into)
+                if into is not out:
+                    np.copyto(out, _sub(into, box, tuple(a for a, _ in whole)), casting="no")
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                result.set_exception(e)
+            else:
+                result.set_result(None)
+
+        def read_done(f: Any) -> None:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                result.set_exception(e)
+                return
+            _pool(_CRC_THREADS).submit(check)
+
+        read.add_done_callback(read_done)
+        return result
+
+    def _check_units(self, whole: Box, data: np.ndarray) -> None:
+        """Every unit of ``whole`` (a box of whole units), read into ``data``: the CRC-32C
+        of its decoded bytes is the one recorded for its position (spec §6.6)."""
+        u = self._units
+        origin = tuple(a for a, _ in whole)
+        ranges = [range(a // n, -(-b // n)) for (a, b), n in zip(whole, u.inner)]
+        for g in np.ndindex(*[len(r) for r in ranges]):
+            g = tuple(r[k] for r, k in zip(ranges, g))
+            ubox = tuple((k * n, min((k + 1) * n, s)) for k, n, s in zip(g, u.inner, u.shape))
+            got = _unit_crc(u, _sub(data, ubox, origin))
+            want = int(self._positions[int(np.ravel_multi_index(g, u.unit_grid)) if g else 0])
+            if got != want:
+                index = tuple(k // p for k, p in zip(g, u.grid))
+                where = f"array {self.key!r}: chunk {u.chunk_key(index)}"
+                if u.sharded:
+                    where += f" inner chunk {[k % p for k, p in zip(g, u.grid)]}"
+                raise misplaced(where, got, want)
 
     def _read(self, box: Box | None) -> ts.Future:
         return self._region(box).read()
+
+
+_CRC_THREADS = max(os.cpu_count() or 1, 1)  # threads computing chunk CRCs beside TensorStore's I/O
+
+
+class _Both(cf.Future):
+    """Done when a TensorStore write and the CRC task beside it are; cancelling it cancels
+    the write (an aborted save's writes on object stores)."""
+
+    def __init__(self, write: Any, crc: cf.Future) -> None:
+        super().__init__()
+        self._write, self._left, self._errors = write, 2, []
+        self._lock = threading.Lock()
+        write.add_done_callback(self._one)
+        crc.add_done_callback(self._one)
+
+    def cancel(self) -> bool:
+        self._write.cancel()
+        return super().cancel()
+
+    def _one(self, f: Any) -> None:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - handed to this future
+            self._errors.append(e)
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last and not self.done():
+            try:
+                self.set_exception(self._errors[0]) if self._errors else self.set_result(None)
+            except cf.InvalidStateError:  # cancelled meanwhile
+                pass
 
 
 class TensorStoreStorage(_base.Storage):
@@ -842,7 +945,8 @@ class TensorStoreStorage(_base.Storage):
             spec["metadata"] = metadata
         return spec
 
-    def _local_array(self, key: str, metadata: dict[str, Any]) -> LocalArray | None:
+    def _local_array(self, key: str, metadata: dict[str, Any],
+                     positions: np.ndarray | None = None) -> LocalArray | None:
         """Direct chunk-file I/O for local arrays zarrckpt can encode itself (``chunk_io``)."""
         path = self.local_path
         if path is None or self.options.chunk_io != "direct":
@@ -851,7 +955,8 @@ class TensorStoreStorage(_base.Storage):
         if codec is None:
             return None
         return LocalArray(os.path.join(path, key.rstrip("/")), codec, key,
-                          threads=self.options.file_io_concurrency, fsync=self.options.fsync == "each")
+                          threads=self.options.file_io_concurrency, fsync=self.options.fsync == "each",
+                          positions=positions)
 
     def open_for_write(self, key: str, metadata: dict[str, Any]) -> Any:
         """:class:`TensorStoreArray`, or :class:`LocalArray` (``chunk_io="direct"``)."""
@@ -859,13 +964,13 @@ class TensorStoreStorage(_base.Storage):
         if local is not None:
             return _done(local)
         return _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
-                               context=self._context), key)
+                               context=self._context), key, metadata)
 
-    def open_for_read(self, key: str, metadata: dict[str, Any]) -> Any:
-        local = self._local_array(key, metadata)
+    def open_for_read(self, key: str, metadata: dict[str, Any], positions: np.ndarray | None = None) -> Any:
+        local = self._local_array(key, metadata, positions)
         if local is not None:
             return _done(local)
-        return _Opened(self.open_tensorstore(key, metadata), key)
+        return _Opened(self.open_tensorstore(key, metadata), key, metadata, positions)
 
     def open_tensorstore(self, key: str, metadata: dict[str, Any]) -> ts.Future:
         """A future of the TensorStore handle of an array (lazy views: slicing, ``.read()``).
@@ -881,11 +986,12 @@ class _Opened:
     """``.result()`` of an array open: the TensorStore future's handle wrapped in
     :class:`TensorStoreArray`."""
 
-    def __init__(self, future: Any, key: str) -> None:
-        self._f, self._key = future, key
+    def __init__(self, future: Any, key: str, metadata: dict[str, Any] | None = None,
+                 positions: np.ndarray | None = None) -> None:
+        self._f, self._key, self._metadata, self._positions = future, key, metadata, positions
 
     def result(self, timeout: float | None = None) -> Array:
-        return TensorStoreArray(self._f.result(timeout=timeout), self._key)
+        return TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions)
 
 
 def _done(value: Any) -> cf.Future:

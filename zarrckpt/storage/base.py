@@ -89,13 +89,16 @@ class Array(abc.ABC):
     def shape(self) -> tuple[int, ...]:
         """The array's shape."""
 
-    def write(self, box: Box, data: np.ndarray, *, stable: bool = True) -> Any:
+    def write(self, box: Box, data: np.ndarray, *, stable: bool = True, crcs: np.ndarray | None = None) -> Any:
         """Write ``data`` (the box's shape, the array's dtype, any strides) into ``box``.
         The engine writes whole chunks (or shards), each once per save. ``stable``: the
         caller keeps ``data`` unchanged until the future completes, so the store may read it
         in place instead of copying it. Completion means written, not yet durable: that is
-        :meth:`Storage.flush`."""
-        return self._write(box, data, stable)
+        :meth:`Storage.flush`. ``crcs`` (whole chunks only): a ``uint32`` array of the
+        chunk's units that overlap the array (spec §6.6: its inner chunks, or the chunk),
+        which receives, before the future completes, the CRC-32C of each unit's decoded
+        bytes (padding included): what the root records for their positions."""
+        return self._write(box, data, stable, crcs)
 
     def read_into(self, box: Box, out: np.ndarray) -> Any:
         """Read ``box`` into ``out`` (its shape, possibly a strided view), without a
@@ -121,7 +124,7 @@ class Array(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not read tiles")
 
     @abc.abstractmethod
-    def _write(self, box: Box, data: np.ndarray, stable: bool) -> Any: ...
+    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None) -> Any: ...
 
     @abc.abstractmethod
     def _read_into(self, box: Box, out: np.ndarray) -> Any: ...
@@ -246,12 +249,15 @@ class Storage(abc.ABC):
         """Start writing one object (an array ``zarr.json``, a small chunk); a future. Not
         atomic (see the class docstring); every rank issues many at once."""
 
-    def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray) -> cf.Future:
+    def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray,
+                          crc: int | None = None) -> cf.Future:
         """Encode one whole chunk with the codec chain ``[bytes(little), crc32c]`` (spec
         §5.5) and :meth:`put` it at its key (spec §5.1): the small-chunk path of saves,
-        which skips opening an array. A future."""
+        which skips opening an array. ``crc``: the bytes' CRC-32C where the caller has it
+        already. A future."""
         body = bytes(plain_body(data))
-        return self.put(f"{array_key}/{chunk_key(index)}", body + crc32c.crc32c(body).to_bytes(4, "little"))
+        crc = crc32c.crc32c(body) if crc is None else crc
+        return self.put(f"{array_key}/{chunk_key(index)}", body + crc.to_bytes(4, "little"))
 
     # ---- listing ------------------------------------------------------------------
 
@@ -325,9 +331,12 @@ class Storage(abc.ABC):
         by a :meth:`put`) exactly ``metadata``; no I/O."""
 
     @abc.abstractmethod
-    def open_for_read(self, key: str, metadata: dict[str, Any]) -> cf.Future:
+    def open_for_read(self, key: str, metadata: dict[str, Any], positions: np.ndarray | None = None) -> cf.Future:
         """A future of the :class:`Array` at ``key``; ``metadata`` is its ``zarr.json``,
-        already read and validated by the caller; no I/O."""
+        already read and validated by the caller; no I/O. ``positions`` (format 1.3, spec
+        §6.6): the flat ``uint32`` table of the CRC-32C each unit must carry, in C order of
+        the unit grid; reads then fail (:class:`~zarrckpt.errors.CorruptChunkError`) on a
+        unit whose bytes are not the ones recorded for its position."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url!r}>"

@@ -377,10 +377,11 @@ class FaultStorage(Storage):
         return self._submit("put", [self._key(key)],
                             lambda: self._inner.put(key, self._cut("put", key, data)).result())
 
-    def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray) -> cf.Future:
+    def write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray,
+                          crc: int | None = None) -> cf.Future:
         with self._faults.lock:
             self._faults.counts["plain_chunk"] += 1
-        return super().write_plain_chunk(array_key, index, data)
+        return super().write_plain_chunk(array_key, index, data, crc)
 
     # ---- listing ------------------------------------------------------------------------
 
@@ -462,8 +463,8 @@ class FaultStorage(Storage):
     def open_for_write(self, key: str, metadata: dict[str, Any]) -> cf.Future:
         return self._open(key, metadata, lambda: self._inner.open_for_write(key, metadata))
 
-    def open_for_read(self, key: str, metadata: dict[str, Any]) -> cf.Future:
-        return self._open(key, metadata, lambda: self._inner.open_for_read(key, metadata))
+    def open_for_read(self, key: str, metadata: dict[str, Any], positions: np.ndarray | None = None) -> cf.Future:
+        return self._open(key, metadata, lambda: self._inner.open_for_read(key, metadata, positions))
 
     def open_tensorstore(self, key: str, metadata: dict[str, Any]) -> Any:
         """The wrapped store's TensorStore handle, without faults: for the readers that
@@ -495,9 +496,9 @@ class _FaultArray(Array):
         store = self._store
         return [store._key(k) for k in self._chunk_keys(box)] or [store._key(self.key)]
 
-    def _write(self, box: Box, data: np.ndarray, stable: bool) -> cf.Future:
+    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None) -> cf.Future:
         def run() -> None:
-            self._inner.write(box, data, stable=stable).result()
+            self._inner.write(box, data, stable=stable, crcs=crcs).result()
             for key in self._chunk_keys(box):  # torn writes: cut the chunks once written
                 n = self._store._faults.cut("write", self._store._key(key))
                 if n is not None:
