@@ -53,3 +53,90 @@ def test_a_nested_tensor_where_an_earlier_save_had_a_plain_one_is_refused_by_nam
     with pytest.raises(zarrckpt.UnsupportedValueError, match="'bad/0'.*nested"):  # in a list too
         run({"w": torch.ones(4), "bad": [_nested()]}, tmp_path / "b")
     assert not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------ strict: what a load left
+
+
+def test_strict_true_says_once_in_the_log_what_strict_false_warns(tmp_path, caplog):
+    """One message in both modes: strict=True (stored keys the target lacks are normal, as in
+    DCP) logs it at INFO, once; strict=False warns, naming both the stored keys it left and
+    the target's keys it left as they were."""
+    zarrckpt.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "c")
+    a = torch.zeros(2)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="zarrckpt"):
+        warnings.simplefilter("error")
+        zarrckpt.load({"a": a}, tmp_path / "c")
+    said = [r.getMessage() for r in caplog.records if "unloaded" in r.getMessage()]
+    assert said == [f"zarrckpt.load(strict=True) left 1 stored key(s) of {str(tmp_path / 'c')!r} unloaded "
+                    "(the target has no place for them): 'b'; report['unexpected'] and report['missing'] "
+                    "list them"]
+    c = torch.zeros(2)
+    with pytest.warns(UserWarning) as caught:
+        zarrckpt.load({"a": a, "c": c}, tmp_path / "c", strict=False)
+    assert [str(w.message) for w in caught] == [
+        f"zarrckpt.load(strict=False) left 1 stored key(s) of {str(tmp_path / 'c')!r} unloaded (the target "
+        "has no place for them): 'b'; and left 1 key(s) of the target as they were (not in the checkpoint): "
+        "'c'; report['unexpected'] and report['missing'] list them"]
+
+
+def rank_load_strict_false(rank, world, path):
+    zarrckpt.save({"model": {"w": torch.ones(4)}, "step": 3}, path)
+    w = torch.zeros(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zarrckpt.load({"model": {"w": w}}, path, strict=False)
+    assert torch.equal(w, torch.ones(4))
+    return [str(x.message) for x in caught if "zarrckpt.load" in str(x.message)]
+
+
+def test_strict_false_warns_once_per_job_not_once_per_rank(tmp_path, clusters):
+    said = clusters(2).run(rank_load_strict_false, str(tmp_path / "c"))
+    assert said[1] == [] and len(said[0]) == 1, said
+    assert said[0][0].startswith("zarrckpt.load(strict=False) on rank 0 of 2 left 1 stored key(s)")
+    assert "'step'" in said[0][0] and said[0][0].endswith("list them (each rank's own)")
+
+
+# ------------------------------------------------------------------ load_state_dict(keys="model")
+
+
+def test_load_state_dict_takes_one_key_as_a_string(tmp_path):
+    """It used to split "model" into letters and refuse key 'm'."""
+    zarrckpt.save({"model": {"w": torch.ones(2)}, "optim": {"lr": 0.1}, "step": 1}, tmp_path / "c")
+    sd = zarrckpt.load_state_dict(tmp_path / "c", keys="model")
+    assert list(sd) == ["model"] and torch.equal(sd["model"]["w"], torch.ones(2))
+    assert zarrckpt.load_state_dict(tmp_path / "c", keys="step") == {"step": 1}
+    assert list(zarrckpt.load_state_dict(tmp_path / "c", keys=["model", "step"])) == ["model", "step"]
+    with pytest.raises(zarrckpt.MissingKeysError, match="'modle'"):
+        zarrckpt.load_state_dict(tmp_path / "c", keys="modle")
+
+
+# ------------------------------------------------------------------ a target that is not Stateful
+
+
+class _Weights:
+    """Holds tensors, but offers neither state_dict() nor load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(2)
+
+
+class _HalfStateful(_Weights):
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("cls", [_Weights, _HalfStateful])
+def test_an_object_that_is_not_stateful_is_named_as_the_reason(tmp_path, cls, strict):
+    """It used to say "key 'model' not in checkpoint ... pass strict=False", which would
+    skip the whole subtree."""
+    zarrckpt.save({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "c")
+    obj = cls()
+    with pytest.raises(zarrckpt.StateDictMismatchError) as e:
+        zarrckpt.load({"model": obj, "step": 0}, tmp_path / "c", strict=strict)
+    text = str(e.value)
+    assert f"key 'model': the checkpoint holds a subtree there (1 key(s): 'model/w'), but the target holds " \
+           f"an object of type {cls.__name__}, which is neither a dict/list nor Stateful" in text
+    assert ("no state_dict() or load_state_dict()" if cls is _Weights else "no load_state_dict()") in text
+    assert "strict=False" not in text and torch.equal(obj.w, torch.zeros(2))

@@ -190,9 +190,14 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     replaced (overwritten) while it is read raises ``CheckpointChangedError``.
 
     ``strict``: True (default): keys of the target missing from the checkpoint are an
-    error; keys of the checkpoint the target lacks are normal (pipeline and expert
-    parallel ranks hold only their share) and listed in ``report["unexpected"]``.
-    ``"exact"``: both are errors. False: neither; keys left unloaded are named in a warning.
+    error; keys of the checkpoint the target lacks are normal, as in DCP (pipeline and
+    expert parallel ranks hold only their share; a model loaded without its optimizer):
+    listed in ``report["unexpected"]`` and in one INFO record of the ``zarrckpt`` logger,
+    no warning. ``"exact"``: both are errors. False: neither; one ``UserWarning`` names the
+    stored keys left unloaded and the target's keys left as they were. The log record and
+    the warning are said once per job, by rank 0 about its own target (each rank's
+    ``report`` lists its own keys). A target object that is neither a container nor
+    Stateful where the checkpoint holds a subtree is an error in every mode.
     ``key_map``: a dict or function from target key to checkpoint key (renamed modules).
     ``cast``: convert saved dtypes to the target's (without it a mismatch is an error).
     ``report``: a dict to fill with bytes needed and read, seconds per phase, and the
@@ -239,11 +244,12 @@ def release_staging() -> None:
     _release()
 
 
-def load_state_dict(path: Any, keys: list[str] | None = None, *,
+def load_state_dict(path: Any, keys: list[str] | str | None = None, *,
                     storage: StorageOptions | None = None, max_inflight_bytes: int = 256 << 20) -> dict:
     """The checkpoint at ``path`` as a nested dict of plain CPU tensors (of the saved
     dtypes) and values, in one process, without preparing targets. ``keys``: only these
-    exact keys or prefixes (``"model"`` or ``"model/"`` for everything under ``model``);
+    exact keys or prefixes (``"model"`` or ``"model/"`` for everything under ``model``;
+    one key may be given as a string);
     a key that is neither raises ``MissingKeysError`` naming the nearest keys.
     Arrays are read concurrently (``max_inflight_bytes`` at once). A checkpoint replaced
     while it is read raises ``CheckpointChangedError``."""

@@ -132,6 +132,8 @@ class LoadRun:
                 seen.update(_keys_under(ckpt, ckey))
                 continue
             if ckey not in ckpt:
+                if ckey in ckpt._groups and _opaque(leaf):
+                    raise StateDictMismatchError(_not_a_container(tkey, ckey, leaf, _keys_under(ckpt, ckey)))
                 self.missing.append(tkey if ckey == tkey else f"{tkey} (-> {ckey})")
                 continue
             seen.add(ckey)
@@ -284,6 +286,24 @@ class LoadRun:
                 "seconds": {**self.timings, "total": sum(self.timings.values())}}
 
 
+def _opaque(leaf: Any) -> bool:
+    """A target leaf that is no value a checkpoint stores and no container: an object whose
+    state zarrckpt cannot reach (not Stateful, or it would have been resolved)."""
+    return not isinstance(leaf, (dict, list, tuple, str, int, float, type(None))) and not is_array_leaf(leaf)
+
+
+def _not_a_container(key: str, ck: str, leaf: Any, stored: list[str]) -> str:
+    """Why an object target cannot take the subtree the checkpoint holds at its key."""
+    has = [m for m in ("state_dict", "load_state_dict") if callable(getattr(leaf, m, None))]
+    lacks = [m + "()" for m in ("state_dict", "load_state_dict") if m not in has]
+    where = f"key {key!r}" + (f" (checkpoint prefix {ck!r})" if ck != key else "")
+    return (f"{where}: the checkpoint holds a subtree there ({len(stored)} key(s): {_fmt_keys(stored, 3)}), "
+            f"but the target holds an object of type {type(leaf).__name__}, which is neither a dict/list nor Stateful "
+            f"(it has no {' or '.join(lacks)}), so zarrckpt cannot load into it. Pass its state dict "
+            f"instead, or give it state_dict() and load_state_dict() (torch.distributed.checkpoint."
+            f"stateful.Stateful)")
+
+
 def _is_empty_container(leaf: Any) -> bool:
     return isinstance(leaf, (dict, list, tuple)) and not leaf
 
@@ -355,17 +375,37 @@ def _load(state_dict: dict, path: Any, process_group: Any, strict: Any, key_map:
     run.apply()
     rep = run.report()
     log.info("zarrckpt load %s: %s", rep["path"], rep)
-    if run.unexpected:
-        log.info("zarrckpt load %s: %d checkpoint key(s) not in the target: %s", rep["path"],
-                 len(run.unexpected), _fmt_keys(run.unexpected))
-    if run.unexpected and strict is False:
-        warnings.warn(f"zarrckpt.load(strict=False) left {len(run.unexpected)} stored key(s) of "
-                      f"{rep['path']!r} unloaded (the target has no place for them): "
-                      f"{_fmt_keys(run.unexpected)}; they are listed in report['unexpected']",
-                      UserWarning, stacklevel=5)  # the caller of zarrckpt.load
+    if g.rank == 0:  # once per job, not once per rank
+        _say_what_was_left(run.unexpected, run.missing, strict, rep["path"], g.size)
     if report is not None:
         report.update(rep)
     return state_dict
+
+
+def _say_what_was_left(unexpected: list[str], missing: list[str], strict: Any, url: str, world: int) -> None:
+    """What a load did not touch, said once per job (by rank 0, about its own target; every
+    rank's lists are in its report): stored keys the target has no place for and, with
+    strict=False, the target's keys the checkpoint lacks. One message in both modes:
+    strict=False warns (``UserWarning``: it relaxed the check, so what it let through is
+    said); strict=True logs it at INFO on the ``zarrckpt`` logger (stored keys the target
+    lacks are normal there, as in DCP: pipeline/expert-parallel ranks, a model loaded
+    without its optimizer; its missing keys were an error)."""
+    parts = []
+    if unexpected:
+        parts.append(f"left {len(unexpected)} stored key(s) of {url!r} unloaded (the target has no "
+                     f"place for them): {_fmt_keys(unexpected)}")
+    if missing and strict is False:
+        parts.append(f"left {len(missing)} key(s) of the target as they were (not in the checkpoint): "
+                     f"{_fmt_keys(missing)}")
+    if not parts:
+        return
+    on = f" on rank 0 of {world}" if world > 1 else ""
+    text = (f"zarrckpt.load(strict={strict!r}){on} " + "; and ".join(parts)
+            + "; report['unexpected'] and report['missing'] list them" + (" (each rank's own)" if world > 1 else ""))
+    if strict is False:
+        warnings.warn(text, UserWarning, stacklevel=6)  # the caller of zarrckpt.load
+    else:
+        log.info(text)
 
 
 class _Reads:
@@ -671,12 +711,15 @@ def _apply(orig: Any, res: Any, path: tuple, stateful: list) -> Any:
     return res
 
 
-def load_state_dict(path: Any, keys: list[str] | None = None, *,
+def load_state_dict(path: Any, keys: list[str] | str | None = None, *,
                     storage: StorageOptions | None = None,
                     max_inflight_bytes: int = 256 << 20) -> dict:
     """The whole checkpoint (or the keys/prefixes asked for) as plain CPU tensors. Every
     array is read concurrently, in pieces (bounded by ``max_inflight_bytes``), so one
-    process uses all its cores and the storage's parallelism."""
+    process uses all its cores and the storage's parallelism. ``keys``: a key or prefix, or
+    a list of them (a ``str`` is one key, not a sequence of letters)."""
+    if isinstance(keys, str):
+        keys = [keys]
     ckpt = Checkpoint(path, storage)
     with ckpt.reading():  # one read: the root is checked after it (spec §7.3)
         wanted: list[str] = []
