@@ -1,9 +1,10 @@
 """JAX in and out: sharded ``jax.Array``s from a checkpoint, and checkpoints from them.
 
 ``zarrckpt.jax.load(path, target)`` builds each ``jax.Array`` with
-``jax.make_array_from_callback``: every process reads, once each, the distinct boxes its
-own devices hold (replicas share one read), straight from the stored chunks, then hands
-each device its box. ``zarrckpt.jax.save(pytree, path)`` writes the same format
+``jax.make_array_from_callback``: every process reads the boxes its own devices hold,
+each stored byte at most once (replicas share one read, and devices whose boxes meet one
+stored chunk share its read), straight from the stored chunks, then hands each device its
+box. ``zarrckpt.jax.save(pytree, path)`` writes the same format
 ``zarrckpt.save`` writes: one Zarr array per leaf, its chunk grid following the
 sharding, each chunk written once by the process holding it, committed as spec §7 says.
 So a model trained in PyTorch (DTensors, any mesh) loads into JAX with any
@@ -44,6 +45,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -130,9 +132,11 @@ def load(path: Any, target: Any, *, keys: Iterable[str] | None = None,
     ``key_map`` (dict or callable): target key -> checkpoint key, for renamed leaves.
     Target keys missing from the checkpoint raise :class:`MissingKeysError`.
 
-    Each process reads only the boxes its own (addressable) devices hold, each distinct
-    box once. ``report``: a dict filled with ``bytes_needed``, ``bytes_fetched`` (whole
-    read units: inner chunks, or chunks) and ``seconds``.
+    Each process reads only the boxes its own (addressable) devices hold, each stored
+    chunk (or inner chunk) at most once, however the target sharding cuts across them.
+    ``report``: a dict filled with ``bytes_needed`` (the distinct boxes), ``bytes_fetched``
+    (whole read units: inner chunks, or chunks), both in the stored data types, and
+    ``seconds``.
     """
     t0 = time.perf_counter()
     ck = path if isinstance(path, CheckpointView) else Checkpoint(path, storage)
@@ -156,11 +160,11 @@ def load(path: Any, target: Any, *, keys: Iterable[str] | None = None,
         else:
             result = _plan_pytree(ck, target, wanted, key_map, reads)
         _check(ck, reads, cast)
-        fetched = _read_boxes(ck, reads, max_inflight_bytes)
+        fetched, needed = _read_boxes(ck, reads, max_inflight_bytes)
     out = _replace(result, lambda p: _make_array(p.read))
     if report is not None:
-        report.update(arrays=len(reads), bytes_needed=sum(b.nbytes for r in reads for b in r.buffers.values()),
-                      bytes_fetched=fetched, seconds=time.perf_counter() - t0)
+        report.update(arrays=len(reads), bytes_needed=needed, bytes_fetched=fetched,
+                      seconds=time.perf_counter() - t0)
     return out
 
 
@@ -255,29 +259,122 @@ def _box(index: tuple, shape: tuple[int, ...]) -> Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape)) if index else ()
 
 
-def _read_boxes(ck: CheckpointView, reads: list[_Read], max_inflight_bytes: int) -> int:
-    """Read every distinct box this process's devices hold; returns the bytes fetched."""
+def _read_boxes(ck: CheckpointView, reads: list[_Read], max_inflight_bytes: int) -> tuple[int, int]:
+    """Read every distinct box this process's devices hold, each stored byte at most once;
+    returns the bytes fetched (whole read units) and the bytes of the distinct boxes (both
+    in the stored data type).
+
+    Storage reads whole units (inner chunks, else chunks). Boxes that touch no unit another
+    box touches are read straight into their own buffers. Boxes that share units (a
+    sharding that cuts across the stored chunks: each device's box would fetch the shared
+    units again, 4x the bytes for a column split on 4 devices) are read together, once,
+    into one buffer over their bounding box, and each device gets a view of it."""
     root = ck.checkpoint
-    fetched = 0
+    fetched = needed = 0
+    by_key: dict[str, list[_Read]] = {}
+    for r in reads:
+        by_key.setdefault(r.key, []).append(r)
     with InFlight(max_inflight_bytes, op="read") as pending:
-        for r in reads:
-            info = r.info
-            boxes = {_box(idx, info.shape) for idx in
-                     r.sharding.addressable_devices_indices_map(info.shape).values()}
+        for key, same in by_key.items():
+            info = same[0].info
+            wanted: set[Box] = set()
+            for r in same:
+                wanted |= {_box(idx, info.shape) for idx in
+                           r.sharding.addressable_devices_indices_map(info.shape).values()}
             unit = info.inner_chunk_shape or info.chunk_shape
-            for box in sorted(boxes):
-                buf = np.empty([b - a for a, b in box], dtype=info.dtype.numpy)
-                r.buffers[box] = buf
+            views: dict[Box, np.ndarray] = {}
+            for region, members, parts in _read_groups(sorted(wanted), unit, info.shape):
+                buf = np.empty([b - a for a, b in region], dtype=info.dtype.numpy)
+                for box in members:
+                    views[box] = _view(buf, box, region)
+                    needed += views[box].nbytes
                 if not buf.size:
                     continue
-                fetched += unit_elements(box, unit, info.shape) * buf.itemsize
-                pending.add(r.key, root.read_into(r.key, box, buf), buf.nbytes)
+                for part in parts:
+                    fetched += unit_elements(part, unit, info.shape) * buf.itemsize
+                    out = _view(buf, part, region)
+                    pending.add(key, root.read_into(key, part, out), out.nbytes)
+            for r in same:
+                r.buffers = {box: views[box] for box in
+                             {_box(idx, info.shape) for idx in
+                              r.sharding.addressable_devices_indices_map(info.shape).values()}}
         pending.wait()
     for r in reads:
         if r.dtype != r.info.dtype.numpy:
             r.buffers = {b: v.astype(r.dtype) for b, v in r.buffers.items()}
-    return fetched
+    return fetched, needed
 
+
+def _view(buf: np.ndarray, box: Box, region: Box) -> np.ndarray:
+    """The part ``box`` of ``buf``, which holds ``region``: a view (0-d too, never a scalar)."""
+    return buf[(*(slice(a - ra, b - ra) for (a, b), (ra, _) in zip(box, region)), ...)]
+
+
+def _read_groups(boxes: list[Box], unit: tuple[int, ...] | None, shape: tuple[int, ...]
+                 ) -> list[tuple[Box, list[Box], list[Box]]]:
+    """``(region, member boxes, parts to read)`` per group of ``boxes`` that share read units
+    (extent ``unit``, cut at ``shape``): each member lies in its region, and the parts (boxes
+    inside the region) together touch every unit the members touch, each unit once."""
+    if not shape or unit is None or not boxes:
+        return [(b, [b], [b]) for b in boxes]
+
+    def units(box: Box) -> Box:  # the unit-grid box a box touches
+        return tuple((a // u, -(-b // u)) for (a, b), u in zip(box, unit))
+
+    def meet(x: Box, y: Box) -> bool:
+        return all(a < d and c < b for (a, b), (c, d) in zip(x, y))
+
+    empty = [b for b in boxes if any(a >= e for a, e in b)]
+    full = [b for b in boxes if b not in empty]
+    grid = [units(b) for b in full]
+    parent = list(range(len(full)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(len(full)):
+        for j in range(i):
+            if meet(grid[i], grid[j]):
+                parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(full)):
+        groups.setdefault(find(i), []).append(i)
+    out = [(b, [b], []) for b in empty]
+    for idx in groups.values():
+        members = [full[i] for i in idx]
+        if len(members) == 1:
+            out.append((members[0], members, members))
+            continue
+        region = tuple((min(m[d][0] for m in members), max(m[d][1] for m in members))
+                       for d in range(len(shape)))
+        # the unit grid cut at every member's unit boundaries: cells lie wholly inside or
+        # outside each member's units, so reading the covered cells reads each unit once
+        cuts = [sorted({g[d][k] for g in (grid[i] for i in idx) for k in (0, 1)}) for d in range(len(shape))]
+        cells = [tuple(zip(c[:-1], c[1:])) for c in cuts]
+        covered = [cell for cell in _product(cells)
+                   if any(all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(cell, grid[i])) for i in idx)]
+        if len(covered) == _count(cells):
+            parts = [region]  # the units of the region are all needed: one read
+        else:  # a region with holes: each covered cell, clipped to the region
+            parts = [tuple((max(lo * u, ra), min(hi * u, rb)) for (lo, hi), u, (ra, rb) in zip(cell, unit, region))
+                     for cell in covered]
+            parts = [p for p in parts if all(a < b for a, b in p)]
+        out.append((region, members, parts))
+    return out
+
+
+def _product(cells: list[tuple]) -> list[tuple]:
+    return list(itertools.product(*cells))
+
+
+def _count(cells: list[tuple]) -> int:
+    n = 1
+    for c in cells:
+        n *= len(c)
+    return n
 
 
 def _make_array(r: _Read) -> Any:
