@@ -42,6 +42,8 @@ class Problem(JsonReport):
     ``digest`` (a document that does not match its SHA-256), ``metadata`` (an array
     document that breaks the spec, or differs from the root's consolidated entry), ``missing`` (a document, chunk or inner chunk absent),
     ``checksum`` (a chunk or shard index failing its CRC-32C, a truncated chunk),
+    ``position`` (format 1.3: an intact chunk or inner chunk whose CRC-32C is not the one the
+    root records for its place, spec §6.6: swapped chunk files, a redirected index entry),
     ``unreadable`` (any other read failure), ``pack`` (a packed leaf outside its pack),
     ``changed`` (the checkpoint was replaced during the check). ``array``: the array path
     (``model/w``, ``.packs/0``); ``keys``: the leaves stored there; ``chunk``: the chunk's
@@ -212,6 +214,8 @@ def _stored_keys(ck: Checkpoint) -> set[str]:
 
 
 def _classify(e: BaseException) -> str:
+    if getattr(e, "zarrckpt_misplaced", False):  # intact bytes at another unit's place (spec §6.6)
+        return "position"
     code = status_code(e)
     if code == "NOT_FOUND":
         return "missing"

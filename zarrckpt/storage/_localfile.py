@@ -193,10 +193,12 @@ def _unit_crc(codec: ChunkCodec, tile: np.ndarray) -> int:
 
 def misplaced(where: str, got: int, want: int) -> CorruptChunkError:
     """The error of a unit whose bytes are intact but recorded for another position."""
-    return CorruptChunkError(
+    error = CorruptChunkError(
         f"{where} holds bytes that do not belong at its position: their CRC-32C is {got:08x}, the root "
         f"records {want:08x} for it (spec §6.6: chunk files swapped or copied, or a shard index entry "
         "that points at another inner chunk)")
+    error.zarrckpt_misplaced = True  # verify reports it as kind "position"
+    return error
 
 
 def chunk_codec(metadata: dict[str, Any]) -> ChunkCodec | None:
