@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,23 @@ def test_example_runs(script, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     for line in SAYS.get(script, ()):  # what an example promises to have done
         assert line in out.stdout, out.stdout
+    if script in CHECKS:
+        CHECKS[script](out)
+
+
+def _reshard_demo(out: subprocess.CompletedProcess) -> None:
+    """The save time it prints is the report's total, and the phases add up to it (it
+    printed the sum of report["seconds"], which holds the total too: twice the time). The
+    model-only load warns about nothing (it warned once per rank)."""
+    m = re.search(r"in (\d+\.\d{3}) s \(((?:\w+ \d+\.\d{3}(?:, )?)+)\)\n", out.stdout)
+    assert m, out.stdout
+    phases = [float(p.split()[1]) for p in m[2].split(", ")]
+    assert set(p.split()[0] for p in m[2].split(", ")) >= {"plan", "write", "commit"}, m[2]
+    assert abs(float(m[1]) - sum(phases)) <= 0.0005 * (len(phases) + 1) + 1e-9, m[0]
+    assert "zarrckpt.load(" not in out.stderr, out.stderr
+
+
+CHECKS = {"reshard_demo.py": _reshard_demo}
 
 
 PRODUCES = {"analyse_run.py": ["norms.png"]}
