@@ -312,14 +312,17 @@ def _agree_failed(failed: bool, distributed: bool) -> bool:
     return bool(flag.item())
 
 
-_CPU_GROUP: list = []
+_CPU_GROUP: dict = {}
 
 
 def _cpu_group():
-    """A gloo group for the verifier's own agreement (the default group may be NCCL)."""
-    if not _CPU_GROUP:
-        _CPU_GROUP.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
-    return _CPU_GROUP[0]
+    """A gloo group for the verifier's own agreement (the default group may be NCCL); one
+    per default group (made collectively the first time every rank verifies)."""
+    default = dist.distributed_c10d._get_default_group()
+    if default not in _CPU_GROUP:
+        _CPU_GROUP.clear()
+        _CPU_GROUP[default] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return _CPU_GROUP[default]
 
 
 def verify_checkpoint(load, sd, ref: dict[str, int], distributed: bool, group_bytes: int | None = None) -> dict:
