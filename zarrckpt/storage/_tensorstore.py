@@ -378,6 +378,7 @@ class StorageOptions:
 _contexts: dict[StorageOptions, ts.Context] = {}
 _contexts_lock = threading.Lock()
 _ROOT: list[ts.Context] = []
+_DELETE_REQUESTS = 4  # object-store requests of one location's deletions at once (see _deleter)
 
 
 def _root_context() -> ts.Context:
@@ -666,6 +667,7 @@ class TensorStoreStorage(_base.Storage):
             _before_first_http_request()
         self._context = self._options.context()
         self._kv: ts.KvStore | None = None
+        self._del: ts.KvStore | None = None  # see _deleter
         self._pool: cf.ThreadPoolExecutor | None = None
 
     @property
@@ -692,6 +694,25 @@ class TensorStoreStorage(_base.Storage):
             except ValueError as e:
                 raise self._error(f"cannot open {self.url!r}", e) from e
         return self._kv
+
+    @property
+    def _deleter(self) -> ts.KvStore:
+        """The kvstore that deletions go through: on object stores its own pool of requests
+        (``_DELETE_REQUESTS``, a child of this location's context), so that retention
+        deleting a retired step (thousands of DELETEs, slow on a loaded server) never holds
+        the request slots a save or load running at the same time needs (issue 28 item 6:
+        a save on rank 0 queued behind retention's DELETEs until the other ranks gave up)."""
+        if self._spec["driver"] not in ("s3", "gcs"):
+            return self._kvstore
+        if self._del is None:
+            ctx = ts.Context(ts.Context.Spec({"s3_request_concurrency": {"limit": _DELETE_REQUESTS},
+                                              "gcs_request_concurrency": {"limit": _DELETE_REQUESTS}}),
+                             parent=self._context)
+            try:
+                self._del = ts.KvStore.open(self._spec, context=ctx).result()
+            except ValueError as e:
+                raise self._error(f"cannot open {self.url!r}", e) from e
+        return self._del
 
     def identity(self) -> dict[str, Any]:
         """The kvstore spec without credentials and region (how each rank reaches it)."""
@@ -834,7 +855,7 @@ class TensorStoreStorage(_base.Storage):
                         shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
                 return
             bounds = ["", *[b for k in sorted(keep) for b in (k, k + "\0")], ""]
-            futures = [self._kvstore.delete_range(ts.KvStore.KeyRange(lo, hi))
+            futures = [self._deleter.delete_range(ts.KvStore.KeyRange(lo, hi))
                        for lo, hi in zip(bounds[::2], bounds[1::2])]
             for f in futures:
                 f.result()
@@ -925,7 +946,7 @@ class TensorStoreStorage(_base.Storage):
             if path is not None:
                 shutil.rmtree(path, ignore_errors=False) if os.path.isdir(path) else None
                 return
-            self._kvstore.delete_range(ts.KvStore.KeyRange("", "")).result()
+            self._deleter.delete_range(ts.KvStore.KeyRange("", "")).result()
         except (OSError, ValueError) as e:
             raise self._error(f"deleting {self.url!r}", e) from e
 
