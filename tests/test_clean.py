@@ -203,6 +203,48 @@ def test_cli_clean_lists_then_removes(tmp_path, capsys):
     assert code == 0 and "0 leftovers" in out
 
 
+def test_cli_clean_says_what_a_dry_run_would_do(tmp_path, capsys):
+    killed_save(plain_save(tmp_path / "c"))
+    code, out = run(capsys, "clean", tmp_path, "--dry-run")
+    assert code == 0 and out.splitlines()[-1] == (
+        "would remove 3 leftovers of saves that died "
+        f"({format_bytes(sum(x.nbytes for x in clean_leftovers(tmp_path, dry_run=True)))}) and keep 0 of "
+        "running saves; nothing removed (--dry-run)"), out
+    code, out = run(capsys, "clean", tmp_path)
+    assert code == 0 and out.splitlines()[-1].startswith("removed 3 leftovers of saves that died ("), out
+    assert out.splitlines()[-1].endswith("; kept 0 of running saves"), out
+    code, out = run(capsys, "clean", tmp_path)
+    assert code == 0 and out == "removed 0 leftovers of saves that died (0 B); kept 0 of running saves\n"
+
+
+def test_cli_clean_of_a_directory_that_is_not_there_is_an_error(tmp_path, capsys):
+    """It exited 0 saying "0 leftovers"; every other command exits 2."""
+    for args in (["clean", tmp_path / "absent"], ["clean", tmp_path / "absent", "--dry-run", "--json"],
+                 ["clean", f"file://{tmp_path}/absent"]):
+        code = cli.main([str(a) for a in args])
+        captured = capsys.readouterr()
+        assert code == cli.EXIT_ERROR and captured.out == "", args
+        assert captured.err == f"zarrckpt clean: error: no directory at {str(args[1])!r}\n", captured.err
+    (tmp_path / "a_file").write_text("")
+    assert cli.main(["clean", str(tmp_path / "a_file")]) == cli.EXIT_ERROR
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_cli_clean_help_names_leftovers_as_they_are(capsys):
+    """The help said .NAME.zarrckpt-ID; a save's leftovers are .zarrckpt-<id>.<name in hex>."""
+    from zarrckpt.format.documents import lock_name, parse_leftover_name, staging_name
+
+    with pytest.raises(SystemExit):
+        cli.main(["clean", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ".NAME.zarrckpt-ID" not in text
+    assert "(.zarrckpt-<save id>.<checkpoint name in hex>, with -old" in text and "the same name and .lock" in text
+    sid = "0123456789abcdef"  # and the names the help describes are those the code makes and parses
+    assert staging_name("step_1", sid) == f".zarrckpt-{sid}.{b'step_1'.hex()}"
+    assert lock_name("step_1", sid) == staging_name("step_1", sid) + ".lock"
+    assert parse_leftover_name(staging_name("step_1", sid) + "-old") == ("directory", "step_1", sid)
+
+
 def test_cli_clean_keeps_a_live_save(tmp_path, capsys):
     with BlockedSave(plain_save(tmp_path / "c")):
         code, out = run(capsys, "clean", tmp_path)

@@ -469,6 +469,37 @@ def test_stats_of_a_run_table_per_step_and_plot(run_dir, tmp_path, capsys):
     assert [c["step"] for c in doc["checkpoints"]] == [10, 30] and doc["plot"] is None
 
 
+@pytest.mark.parametrize("name, magic", [("norms.jpg", b"\xff\xd8\xff"), ("norms.JPEG", b"\xff\xd8\xff"),
+                                         ("norms.svg", b"<?xml"), ("norms.pdf", b"%PDF"),
+                                         ("norms", b"\x89PNG\r\n\x1a\n")])
+def test_stats_plot_writes_the_format_its_suffix_names(run_dir, tmp_path, capsys, name, magic):
+    """--plot out.jpg wrote PNG bytes under .jpg."""
+    out = tmp_path / name
+    code, _, err = run(capsys, "stats", run_dir, "--plot", out, "-q")
+    assert code == 0, err
+    assert out.read_bytes()[:len(magic)] == magic
+
+
+def test_stats_plot_refuses_a_suffix_it_cannot_write_before_reading(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli.zi, "stats", lambda *a, **k: pytest.fail("read before refusing the suffix"))
+    code, out, err = run(capsys, "stats", run_dir, "--plot", tmp_path / "norms.xyz")
+    assert code == 2 and out == "" and not (tmp_path / "norms.xyz").exists()
+    assert err.startswith(f"zarrckpt stats: error: cannot write a plot to '{tmp_path / 'norms.xyz'}': no image "
+                          "format is named .xyz; matplotlib writes ") and ".jpg" in err and ".png" in err, err
+
+
+def test_plot_norms_refuses_a_format_pillow_cannot_write(tmp_path, monkeypatch):
+    from PIL import Image
+
+    import zarrckpt.inspect as zi
+
+    Image.init()
+    monkeypatch.delitem(Image.SAVE, "WEBP")
+    with pytest.raises(zarrckpt.MissingDependencyError, match="pillow cannot write WEBP"):
+        zi.plot_norms([], tmp_path / "n.webp")
+    assert zi.plot_format(tmp_path / "n.webp.png") == "png"
+
+
 # ------------------------------------------------------------------ ls
 
 

@@ -420,6 +420,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     paths = args.paths[0] if len(args.paths) == 1 else args.paths
+    if args.plot:
+        zi.plot_format(args.plot)  # a suffix it cannot write: refused before the reads
     with _progress(args, "stats") as bar:
         results = zi.stats(paths, keys=args.keys, jobs=args.jobs, progress=bar)
     plot = None
@@ -508,7 +510,13 @@ def _leftover_notes(url: str, left: list[zi.Leftover]) -> list[str]:
 
 def _clean(args: argparse.Namespace) -> int:
     from ..engine.commit import clean_leftovers
+    from ..storage import open_storage
 
+    local = open_storage(args.dir).local_path
+    local = None if local is None else local.rstrip("/") or "/"
+    if local is not None and not os.path.isdir(local):  # as every command: exit 2, not "0 leftovers"
+        raise FileNotFoundError(f"no directory at {args.dir!r}" if not os.path.exists(local)
+                                else f"{args.dir!r} is not a directory")
     found = clean_leftovers(args.dir, dry_run=args.dry_run)
     if args.json:
         _emit_json({"dry_run": args.dry_run, "leftovers": found})
@@ -518,13 +526,19 @@ def _clean(args: argparse.Namespace) -> int:
               "root at the checkpoint's own path (zarrckpt ls shows it), and whether its writer still "
               "runs cannot be known; once it is gone, a save with overwrite=True replaces it")
         return EXIT_OK
-    dead = "would remove" if args.dry_run else "removed"
-    rows = [["live (kept)" if x.live else dead, x.kind, format_bytes(x.nbytes), x.path] for x in found]
-    for line in _table(["ACTION", "KIND", "SIZE", "PATH"], rows, right=(2,)):
-        print(line)
+    dead, live = ("would remove", "would keep (live)") if args.dry_run else ("removed", "live (kept)")
+    rows = [[live if x.live else dead, x.kind, format_bytes(x.nbytes), x.path] for x in found]
+    if rows:
+        for line in _table(["ACTION", "KIND", "SIZE", "PATH"], rows, right=(2,)):
+            print(line)
     gone = [x for x in found if not x.live]
-    print(f"{_plural(len(gone), 'leftover')} of saves that died {dead} ({format_bytes(sum(x.nbytes for x in gone))}), "
-          f"{len(found) - len(gone)} of running saves kept")
+    size = format_bytes(sum(x.nbytes for x in gone))
+    kept = len(found) - len(gone)
+    if args.dry_run:
+        print(f"would remove {_plural(len(gone), 'leftover')} of saves that died ({size}) and keep {kept} "
+              f"of running saves; nothing removed (--dry-run)")
+    else:
+        print(f"removed {_plural(len(gone), 'leftover')} of saves that died ({size}); kept {kept} of running saves")
     return EXIT_OK
 
 
@@ -614,7 +628,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "fractions of zeros, NaN and Inf, read chunk by chunk. Several checkpoints (or "
                                    "a run directory): a table per step, the norms by step, and --plot.")
     c.add_argument("paths", nargs="+", metavar="PATH", help="checkpoints, or one run directory / prefix")
-    c.add_argument("--plot", metavar="OUT.png", help="write a PNG of each tensor's norm across steps (matplotlib)")
+    c.add_argument("--plot", metavar="OUT.png",
+                   help="plot each tensor's norm across steps (matplotlib), in the format OUT's suffix names "
+                        "(.png, .svg, .pdf, .jpg ...)")
     c.set_defaults(run=_stats)
 
     c = sub.add_parser("ls", parents=[common], help="the checkpoints under a run directory or prefix",
@@ -627,11 +643,13 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(run=_ls)
 
     c = sub.add_parser("clean", parents=[common], help="remove what saves that died left beside checkpoints",
-                       description="Remove, directly under a local directory, the hidden directories "
-                                   "(.NAME.zarrckpt-ID), pending claims and lock files of saves whose process is "
-                                   "gone (their lock is free); those of running saves are listed and kept. "
-                                   "Object stores: nothing is removed (see spec §7.5).")
-    c.add_argument("dir")
+                       description="Remove, directly under a local directory, what saves whose process is "
+                                   "gone left there (their lock is free): their hidden directories "
+                                   "(.zarrckpt-<save id>.<checkpoint name in hex>, with -old for a replaced "
+                                   "checkpoint moved aside), lock files (the same name and .lock) and pending "
+                                   "claims (a checkpoint directory whose root says pending). Those of running "
+                                   "saves are listed and kept. Object stores: nothing is removed (see spec §7.5).")
+    c.add_argument("dir", help="the directory holding the checkpoints (a run directory), not a checkpoint")
     c.add_argument("-n", "--dry-run", action="store_true", help="list what would be removed, remove nothing")
     c.set_defaults(run=_clean)
     return p

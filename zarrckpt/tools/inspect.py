@@ -58,7 +58,8 @@ from ..engine.commit import Leftover, clean_leftovers
 from ..readers.lazy import placement_str
 from ..readers.verify import DEFAULT_JOBS, DEFAULT_MAX_READ_BYTES, Problem, VerifyReport, verify
 from ..readers.walk import JsonReport, Progress, ProgressFn, boxes, json_text, json_values, parallel, raw_root
-from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError, MissingKeysError, ZarrckptError
+from ..errors import (CheckpointNotFoundError, FormatError, IncompleteCheckpointError, MissingDependencyError,
+                      MissingKeysError, ZarrckptError)
 from ..readers.checkpoint import Checkpoint
 from ..storage import StorageOptions, open_storage
 
@@ -82,6 +83,7 @@ __all__ = [
     "key_filter",
     "leftovers",
     "ls",
+    "plot_format",
     "plot_norms",
     "stats",
     "to_dict",
@@ -753,14 +755,53 @@ def _run(paths: Any, storage: StorageOptions | None) -> list[tuple[int | None, C
     return run
 
 
-def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, title: str | None = None) -> str:
-    """A PNG at ``out`` of how each tensor's norm moves across the checkpoints of
-    ``results``: the L2 norm per step (log scale when the norms span more than a decade),
-    and below it the change relative to the first step, one line per key. Needs
-    matplotlib (``pip install 'zarrckpt[plot]'``). Returns the path."""
+# image formats matplotlib writes through pillow (the others it writes itself); pgf is left
+# out (it needs a LaTeX installation)
+_PILLOW_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "tif": "TIFF", "tiff": "TIFF", "webp": "WEBP",
+                   "gif": "GIF", "avif": "AVIF"}
+
+
+def plot_format(out: str | os.PathLike) -> str:
+    """The image format :func:`plot_norms` writes to ``out``: the one its suffix names
+    (``.png``, ``.pdf``, ``.svg``, ``.jpg`` ...; PNG without a suffix). A suffix matplotlib
+    cannot write here raises ``ValueError`` naming those it can; one pillow would write
+    but cannot here raises :class:`~zarrckpt.errors.MissingDependencyError`. Checks only
+    (no file is written): call it before a long computation."""
     from .._optional import require
 
     require("matplotlib", "plot_norms()")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ext = os.path.splitext(os.fspath(out))[1].lower().lstrip(".")
+    if not ext:
+        return "png"
+    known = sorted(set(FigureCanvasAgg(Figure()).get_supported_filetypes()) - {"pgf"})
+    if ext not in known:
+        raise ValueError(f"cannot write a plot to {os.fspath(out)!r}: no image format is named "
+                         f".{ext}; matplotlib writes {', '.join('.' + k for k in known)}")
+    if ext in _PILLOW_FORMATS:
+        try:
+            from PIL import Image
+        except ImportError as e:  # matplotlib needs pillow: a broken install
+            raise MissingDependencyError(f"a .{ext} plot needs pillow, which cannot be imported ({e}); "
+                                         "pip install pillow, or write .png, .svg or .pdf", "PIL") from e
+        Image.init()
+        if _PILLOW_FORMATS[ext] not in Image.SAVE:
+            raise MissingDependencyError(
+                f"cannot write a plot to {os.fspath(out)!r}: the installed pillow cannot write "
+                f"{_PILLOW_FORMATS[ext]} images; write .png, .svg or .pdf, or install a pillow "
+                f"built with {_PILLOW_FORMATS[ext]} support", "PIL")
+    return ext
+
+
+def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, title: str | None = None) -> str:
+    """An image at ``out`` of how each tensor's norm moves across the checkpoints of
+    ``results``: the L2 norm per step (log scale when the norms span more than a decade),
+    and below it the change relative to the first step, one line per key. The format is
+    the one ``out``'s suffix names (:func:`plot_format`: PNG, PDF, SVG, JPEG ...; PNG
+    without a suffix). Needs matplotlib (``pip install 'zarrckpt[plot]'``). Returns the path."""
+    kind = plot_format(out)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -794,5 +835,5 @@ def plot_norms(results: Sequence[CheckpointStats], out: str | os.PathLike, *, ti
         top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     path = os.fspath(out)
-    fig.savefig(path, format="png")
+    fig.savefig(path, format=kind)
     return path
