@@ -165,6 +165,7 @@ def test_good_documents_are_accepted():
         parse_root(dict(pending, state="pending"))
     future = dict(good_root_11(), version="1.7", future_member={"x": 1})
     future["digests"]["future"] = 1
+    future["digests"]["chunks"] = {".packs/0": "", "w": ""}  # required from 1.3 (§6.6.1)
     assert_valid("rootAttributes", future)  # §10: later minor versions add members
     array = {"zarr_format": 3, "node_type": "array"}
     doc = dict(root_document(future), consolidated_metadata={  # required from 1.2 (§6.7)

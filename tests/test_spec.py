@@ -854,8 +854,8 @@ def spec_example(name: str) -> Any:
 
 def test_spec_header():
     head = SPEC.read_text(encoding="utf-8")[:800]
-    assert "| **Version** | 1.2 |" in head and "draft, unreleased" in head and "2026-11-26" in head
-    assert zformat.FORMAT_VERSION == "1.2"
+    assert "| **Version** | 1.3 |" in head and "draft, unreleased" in head and "2026-11-26" in head
+    assert zformat.FORMAT_VERSION == "1.3"
 
 
 def test_spec_examples_are_present():
