@@ -126,7 +126,7 @@ def pending_root(path: Path) -> None:
 def test_info_tree_totals_and_json(saved, capsys):
     code, out, err = run(capsys, "info", saved)
     assert code == 0 and err == ""
-    assert "committed, format 1.2" in out and "by 1 process" in out and "step     100" in out
+    assert "committed, format 1.3" in out and "by 1 process" in out and "step     100" in out
     lines = out.splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.split()[:2] == ["KEY", "DTYPE"]):]
     assert "model/" in [line.strip() for line in lines]
