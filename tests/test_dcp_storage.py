@@ -179,10 +179,50 @@ def test_overwrite(tmp_path):
     path = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(2)}, storage_writer=ZarrckptStorageWriter(path), no_dist=True)
     with pytest.raises(CheckpointException, match="overwrite"):
-        dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrckptStorageWriter(path), no_dist=True)
+        dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrckptStorageWriter(path, overwrite=False), no_dist=True)
     assert torch.equal(zarrckpt.load_state_dict(path)["w"], torch.ones(2))
     dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrckptStorageWriter(path, overwrite=True), no_dist=True)
     assert torch.equal(zarrckpt.load_state_dict(path)["w"], torch.zeros(2))
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")  # FileSystemWriter's
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_resave_replaces_the_checkpoint_as_dcps_own_writer_does(tmp_path, where):
+    """DCP's FileSystemWriter overwrites by default (overwrite=True); a drop-in must too (it
+    raised CheckpointException), atomically: a failed re-save leaves the old checkpoint."""
+    fs = str(tmp_path / "dcp")
+    for value in (1.0, 2.0):  # what the replaced writer does
+        dcp.save({"w": torch.full((2,), value)}, storage_writer=dcp.FileSystemWriter(fs), no_dist=True)
+    path = str(tmp_path / "ck") if where == "local" else f"memory://resave-{tmp_path.name}/ck"
+    for value in (1.0, 2.0):
+        dcp.save({"w": torch.full((2,), value), "step": int(value)}, storage_writer=ZarrckptStorageWriter(path),
+                 no_dist=True)
+        sd = zarrckpt.load_state_dict(path)
+        assert torch.equal(sd["w"], torch.full((2,), value)) and sd["step"] == int(value)
+    w = ZarrckptStorageWriter(path)
+    with pytest.raises(CheckpointException, match="weights_only|never pickles"):
+        dcp.save({"w": torch.full((2,), 3.0), "obj": Opaque()}, storage_writer=w, no_dist=True)
+    if where == "local":  # the old checkpoint stays loadable until a replacement commits
+        assert torch.equal(zarrckpt.load_state_dict(path)["w"], torch.full((2,), 2.0))
+        w.abort()
+        assert sorted(os.listdir(tmp_path)) == ["ck", "dcp"]
+    dcp.save({"w": torch.full((2,), 4.0)}, storage_writer=w, no_dist=True)
+    sd = zarrckpt.load_state_dict(path)
+    assert list(sd) == ["w"] and torch.equal(sd["w"], torch.full((2,), 4.0))
+
+
+def test_a_directory_that_is_not_a_zarrckpt_checkpoint_is_never_overwritten(tmp_path):
+    """Where the writer differs from FileSystemWriter: a DCP checkpoint (or any non-empty
+    directory that is not a zarrckpt checkpoint) at the path is refused, with or without
+    overwrite."""
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    before = sorted(os.listdir(path))
+    for overwrite in (True, False):
+        with pytest.raises(CheckpointException, match="not a zarrckpt checkpoint"):
+            dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrckptStorageWriter(path, overwrite=overwrite),
+                     no_dist=True)
+    assert sorted(os.listdir(path)) == before
 
 
 def test_checkpoint_id_and_compression(tmp_path):

@@ -4,6 +4,7 @@ case as they met it, and the behaviour they get now."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import pytest
@@ -140,3 +141,79 @@ def test_an_object_that_is_not_stateful_is_named_as_the_reason(tmp_path, cls, st
            f"an object of type {cls.__name__}, which is neither a dict/list nor Stateful" in text
     assert ("no state_dict() or load_state_dict()" if cls is _Weights else "no load_state_dict()") in text
     assert "strict=False" not in text and torch.equal(obj.w, torch.zeros(2))
+
+
+# ------------------------------------------------------------------ the README, true to the code
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme() -> str:
+    """The README and the pages of docs/ (where the README's detail may move), one text."""
+    import glob
+
+    paths = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
+                                                                 recursive=True))
+    texts = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            texts.append(f.read())
+    return "\n".join(texts)
+
+
+def _pending(url: str) -> None:
+    from zarrckpt.format import documents as fmt
+    from zarrckpt.storage import open_storage
+
+    doc = fmt.root_metadata(state="pending", save_id=fmt.new_save_id(), world_size=1, created=fmt.utc_now(),
+                            writer={"zarrckpt": "test"})
+    st = open_storage(url)
+    st.make_dir()
+    st.write_atomic("zarr.json", fmt.encode_document(doc))
+
+
+def test_a_pending_checkpoint_is_replaced_as_the_readme_says(tmp_path):
+    """The README said any later save reuses an interrupted overwrite on object stores;
+    there it takes overwrite=True (on a file system a dead save's claim is reused)."""
+    url = f"memory://pending-{tmp_path.name}/ck"
+    _pending(url)
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="overwrite=True"):
+        zarrckpt.save({"w": torch.ones(2)}, url)
+    zarrckpt.save({"w": torch.ones(2)}, url, overwrite=True)
+    assert torch.equal(zarrckpt.load_state_dict(url)["w"], torch.ones(2))
+    _pending(str(tmp_path / "local"))
+    zarrckpt.save({"w": torch.ones(2)}, tmp_path / "local")  # no overwrite needed
+    text = " ".join(_readme().split())
+    start = text.index("**Overwrite, on object stores**")
+    paragraph = text[start:text.index("- **", start)]
+    assert "which a later save replaces only with `overwrite=True`" in paragraph, paragraph
+    assert "any later save may reuse" not in paragraph
+
+
+def test_the_readme_verify_example_shows_what_verify_prints(tmp_path, capsys):
+    """The README's `zarrckpt verify` example said 7 arrays, 7 chunks for the checkpoint its
+    `zarrckpt info` example shows with 16 arrays. Rebuilt here as the examples describe it."""
+    import re
+
+    from zarrckpt.tools import cli
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 512)).square().mean().backward()
+    optim.step()
+    with zarrckpt.CheckpointManager(tmp_path / "run1") as mgr:
+        mgr.save(300, {"model": model.state_dict(), "optim": optim.state_dict()})
+    path = tmp_path / "run1" / "step_00000300"
+    counts = r"(\d+ arrays, \d+ chunks, [\d.]+ [KMG]?i?B) read in [\d.]+ s"
+    assert cli.main(["verify", str(path), "-q"]) == 0
+    real = re.search(counts, capsys.readouterr().out)[1]
+    readme = _readme()
+    shown = re.search(r"\$ zarrckpt verify ckpt/run1/step_00000300\nok: ckpt/run1/step_00000300: " + counts, readme)
+    assert shown and shown[1] == real, (shown and shown[1], real)
+    assert f"{real.split(',')[0]}, " in readme[readme.index("$ zarrckpt info ckpt/run1/step_00000300"):]
+    (path / "model" / "0.bias" / "c" / "0").unlink()  # the damaged/ example: one chunk fewer
+    assert cli.main(["verify", str(path), "-q"]) == 1
+    real = re.search(r"FAILED: .*: 1 problem in 1 array \(" + counts, capsys.readouterr().out)[1]
+    shown = re.search(r"FAILED: damaged/: 2 problems in 2 arrays \(" + counts, readme)
+    assert shown and shown[1] == real, (shown and shown[1], real)

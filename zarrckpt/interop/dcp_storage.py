@@ -80,6 +80,10 @@ Decisions:
   writer removes them (``engine.commit.abandon``) at its next save, at :meth:`abort`, when
   it is garbage-collected, or at interpreter exit; a killed process leaves what
   ``zarrckpt clean`` removes.
+* **Overwrite** as DCP's ``FileSystemWriter`` (``overwrite=True`` by default): a save to a
+  path holding a zarrckpt checkpoint replaces it, through the engine's commit protocol
+  (spec §7.3: atomic on file systems; on object stores the old checkpoint is un-committed
+  first). A non-empty directory that is not a zarrckpt checkpoint is refused even then.
 * **Plan caching** (``DefaultSavePlanner(enable_plan_caching=True)``): on a cached save
   DCP hands each rank its *cached* final plan, whose ``storage_data`` names the earlier
   save's id, and ``prepare_global_plan`` receives only unusable delta plans. That cannot
@@ -520,15 +524,20 @@ class ZarrckptStorageWriter(StorageWriter):
     """``dcp.save(state, storage_writer=ZarrckptStorageWriter(path))``: write a zarrckpt
     checkpoint through DCP (see the module docstring).
 
-    ``path``: a path, URL or :class:`~zarrckpt.storage.Storage`; ``overwrite``: replace a
-    committed checkpoint; ``storage``: :class:`StorageOptions`; ``compression``,
+    ``path``: a path, URL or :class:`~zarrckpt.storage.Storage`; ``overwrite`` (default True,
+    as DCP's ``FileSystemWriter``): replace a zarrckpt checkpoint already at ``path``,
+    atomically (spec §7.3: on file systems the new one is written beside it and exchanged
+    with it at the commit; the old one stays loadable until then, and a failed save leaves
+    it as it was); False: a checkpoint there is an error. Unlike ``FileSystemWriter``, a
+    non-empty directory that is not a zarrckpt checkpoint (a DCP checkpoint, say) is never
+    written into, whatever ``overwrite`` says; ``storage``: :class:`StorageOptions`; ``compression``,
     ``inner_chunk_bytes``, ``max_inflight_bytes``: as :func:`zarrckpt.save` (the
     coordinator's apply to every rank); ``metadata``: the root's user metadata (JSON);
     ``max_chunks``: an array's chunk grid may have up to ``max(max_chunks, 16 x boxes)``
     chunks (nested uneven layouts need small chunks; beyond that the save is refused).
     """
 
-    def __init__(self, path: Any, overwrite: bool = False, storage: StorageOptions | None = None, *,
+    def __init__(self, path: Any, overwrite: bool = True, storage: StorageOptions | None = None, *,
                  compression: str | dict | None = None,
                  inner_chunk_bytes: int = fmt.DEFAULT_INNER_CHUNK_BYTES,
                  max_inflight_bytes: int = 256 << 20, metadata: dict | None = None,
