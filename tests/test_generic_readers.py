@@ -8,9 +8,9 @@ one chunk damaged:
 - zarrckpt (``zarrckpt.open``) refuses a flipped byte and a deleted chunk;
 - zarr-python and TensorStore refuse a flipped byte (CRC-32C) but return fill values for a
   deleted chunk, TensorStore too unless opened with ``fill_missing_data_reads: false``;
-- zarr-python reads ``bfloat16``/``float8`` arrays once zarrckpt's data types are registered:
-  by ``import zarrckpt`` on every version, and without any import where zarr-python loads the
-  ``zarr.data_type`` entry points itself (3.4; 3.1 does not).
+- zarr-python reads ``bfloat16``/``float8`` arrays once zarrckpt's data types are registered;
+  with zarrckpt (or zarrckpt-dtypes) installed that needs no import on any zarr version
+  (``tests/test_fresh_readers.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,39 +165,3 @@ def test_tensorstore_refuses_a_deleted_chunk_only_when_asked(tmp_path):
     strict = ts.open({**spec, "fill_missing_data_reads": False}).result()
     with pytest.raises(ValueError):
         strict.read().result()
-
-
-_LIST_BF16 = """
-import sys, zarr
-{prelude}
-g = zarr.open_group(sys.argv[1], mode="r")
-n = 0
-for _, a in g.members(max_depth=None):
-    if isinstance(a, zarr.Array):
-        a[...]
-        n += 1
-print(n)
-"""
-
-
-def _members_in_fresh_process(prelude: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _LIST_BF16.format(prelude=prelude),
-                           str(GOLDEN / "v1.0" / "one_unpacked")],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_zarr_python_lists_bf16_after_import_zarrckpt():
-    r = _members_in_fresh_process("import zarrckpt")
-    assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == len(own_arrays(GOLDEN / "v1.0" / "one_unpacked"))
-
-
-def test_zarr_python_without_import_zarrckpt():
-    """zarr-python 3.4 loads the ``zarr.data_type`` entry points zarrckpt installs; 3.1 does
-    not, and one bfloat16 array makes ``members()`` fail for the whole group. (The versions
-    between were not tried: nothing is asserted for them.)"""
-    r = _members_in_fresh_process("")
-    if ZARR_VERSION >= (3, 4):
-        assert r.returncode == 0, r.stderr
-    elif ZARR_VERSION < (3, 2):
-        assert r.returncode != 0 and "bfloat16" in r.stderr, (r.stdout, r.stderr)

@@ -190,8 +190,9 @@ def test_register_is_idempotent() -> None:
 
 
 def test_entry_points_load_through_zarrs_lazy_hook() -> None:
-    """zarr 3.1.6 collects the ``zarr.data_type`` entry points into its registry's lazy list
-    but never calls ``_lazy_load()``; a zarr that does (3.4) gets exactly these classes."""
+    """zarr 3.1-3.3 collect the ``zarr.data_type`` entry points into the registry's lazy list
+    but never call ``_lazy_load()`` (the ``zarr.buffer`` entry point registers the types there);
+    zarr 3.4 does, and gets exactly these classes."""
     from importlib.metadata import entry_points
 
     from zarr.core.dtype import data_type_registry
@@ -214,29 +215,69 @@ def test_entry_points_load_through_zarrs_lazy_hook() -> None:
 READ_SCRIPT = """
 import sys
 import zarr
-path = sys.argv[1]
-try:
-    zarr.open_array(path, mode="r")[...]
-    print("read without import")
-except Exception as e:
-    print("error:", e)
-import zarrckpt  # registers the data types
-print("after import:", zarr.open_array(path, mode="r")[...].tolist())
+a = zarr.open_group(sys.argv[1], mode="r")["a"] if sys.argv[2] == "group" else zarr.open_array(sys.argv[1] + "/a", mode="r")
+print(a[...].tolist())
 """
 
 
-def test_zarr_python_needs_import_zarrckpt_for_bfloat16(tmp_path: Path) -> None:
-    """What spec Appendix B documents: in a fresh interpreter zarr-python 3.1 refuses
-    'bfloat16' until ``import zarrckpt`` (zarr offers no hook that loads the entry points);
-    a zarr that loads them lazily would read it without the import."""
+@pytest.mark.parametrize("first", ["group", "array"])
+def test_zarr_python_reads_bfloat16_without_import(tmp_path: Path, first: str) -> None:
+    """In a fresh interpreter, outside the source tree, zarr-python reads a TensorStore
+    bfloat16 array with nothing imported but zarr: on zarr 3.4 through the ``zarr.data_type``
+    entry points; on 3.1-3.3 through the ``zarr.buffer`` one, which zarr loads at its first
+    buffer lookup: opening a group does one before parsing any member (3.1 refused
+    'bfloat16' there before), but ``zarr.open_array`` straight on a bfloat16 array parses
+    its metadata first, so as a process's first zarr call it still fails there (README)."""
     import subprocess
     import sys
 
-    path = tmp_path / "a"
-    ts.open({**ts_spec(path), "metadata": {"shape": [2], "data_type": "bfloat16"}}, create=True).result().write(
-        np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)).result()
-    r = subprocess.run([sys.executable, "-c", READ_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    import zarr
+
+    zarr.create_group(tmp_path / "g", zarr_format=3)
+    ts.open({**ts_spec(tmp_path / "g" / "a"), "metadata": {"shape": [2], "data_type": "bfloat16"}},
+            create=True).result().write(np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)).result()
+    r = subprocess.run([sys.executable, "-c", READ_SCRIPT, str(tmp_path / "g"), first], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    if first == "array" and tuple(int(x) for x in zarr.__version__.split(".")[:2]) < (3, 4):
+        assert r.returncode != 0 and "bfloat16" in r.stderr, (r.stdout, r.stderr)
+        return
     assert r.returncode == 0, r.stderr
-    first, second = r.stdout.strip().splitlines()[-2:]
-    assert first == "read without import" or ("error:" in first and "bfloat16" in first), first
-    assert second == "after import: [1.5, -2.0]"
+    assert r.stdout.strip().splitlines()[-1] == "[1.5, -2.0]"
+
+
+# ------------------------------------------------------------ the zarrckpt-dtypes distribution
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _entry_points(pyproject: Path) -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["entry-points"]
+
+
+def test_zarrckpt_dtypes_is_this_module_byte_for_byte():
+    """``dtypes/`` builds the torch- and TensorStore-free distribution ``zarrckpt-dtypes``;
+    its one module must stay the module zarrckpt ships."""
+    assert (ROOT / "dtypes" / "zarrckpt_dtypes.py").read_bytes() == \
+        (ROOT / "zarrckpt" / "interop" / "zarr_dtypes.py").read_bytes()
+
+
+def test_zarrckpt_dtypes_declares_the_entry_points_zarrckpt_declares():
+    ours, theirs = _entry_points(ROOT / "pyproject.toml"), _entry_points(ROOT / "dtypes" / "pyproject.toml")
+    for group in ("zarr.data_type", "zarr.buffer"):
+        assert {k: v.replace("zarrckpt.interop.zarr_dtypes:", "zarrckpt_dtypes:") for k, v in ours[group].items()} \
+            == theirs[group], group
+    assert set(ours["zarr.data_type"]) == set(NAMES)
+
+
+def test_the_buffer_entry_point_changes_no_buffer():
+    """zarr 3.1-3.3 register what the ``zarr.buffer`` entry point names under its fully
+    qualified name: it must be zarr's own CPU buffer class, which is registered under that
+    name already, so loading it changes nothing but importing this module."""
+    import zarr.registry
+    from zarr.core.buffer.cpu import Buffer
+
+    from zarrckpt.interop import zarr_dtypes
+
+    assert zarr_dtypes._ZarrCpuBuffer is Buffer
+    assert zarr.registry.get_buffer_class() is Buffer

@@ -22,10 +22,10 @@ metric the saves recorded as a number in every checkpoint
 The module also registers the ``zarrckpt`` engine for ``xarray.open_dataset`` (entry
 point ``xarray.backends``): ``xarray.open_dataset(path)`` with no ``engine`` picks it for a
 checkpoint directory (or a run, with ``engine="zarrckpt"``), without ``import zarrckpt``.
-Loading it imports zarrckpt, which registers the bfloat16/float8 data types with
-zarr-python, so ``xarray.open_zarr`` works from then on. ``open_zarr`` alone (its engine,
-"zarr", is built in, so xarray loads no plugin for it) and zarr-python alone need
-``import zarrckpt`` first: zarr-python 3.1 has no hook that would load the types.
+xarray's own ``zarr`` engine (``open_zarr``, ``open_datatree(engine="zarr")``) reads bf16/fp8
+checkpoints without any import too, in any order: the data types come from zarrckpt's
+``zarr.data_type``/``zarr.buffer`` entry points, which zarr-python itself loads (see
+:mod:`zarrckpt.interop.zarr_dtypes`), not from this engine.
 """
 
 from __future__ import annotations

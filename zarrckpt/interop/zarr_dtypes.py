@@ -2,18 +2,27 @@
 
 bfloat16 and the float8 formats are not core Zarr v3 data types, so zarr-python cannot open
 an array whose ``zarr.json`` says ``"data_type": "bfloat16"`` unless a plugin teaches it the
-name. ``bfloat16`` and ``float8_e5m2`` are registered extension names in zarr-extensions; the
-other names (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2fnuz``, ``float8_e8m0fnu``) are
-the ones TensorStore uses. ml_dtypes supplies the NumPy dtypes behind all of them.
+name; without one, ``zarr.open_group`` of a hierarchy holding one such array fails whole
+(``No Zarr data type found that matches 'bfloat16'``). ``bfloat16`` and ``float8_e5m2`` are
+registered extension names in zarr-extensions; the other names (``float8_e4m3fn``,
+``float8_e4m3fnuz``, ``float8_e5m2fnuz``, ``float8_e8m0fnu``) are the ones TensorStore uses.
+ml_dtypes supplies the NumPy dtypes behind all of them.
 
-The classes are exposed through the ``zarr.data_type`` entry points in pyproject.toml. zarr
-3.1.6 collects those entry points into its registry's lazy list but never calls the
-registry's ``_lazy_load()`` (and offers no other hook), so in a fresh interpreter zarr-python
-fails with "No Zarr data type found that matches 'bfloat16'" until this module registers
-them: ``import zarrckpt`` does (cheap, no torch), or call :func:`register`. That message is
-zarr's own and cannot point here without code of ours running first; spec Appendix B and the
-README say so. A zarr that does call ``_lazy_load()`` gets exactly these classes
-(``tests/test_zarr_dtypes.py`` checks it).
+This file ships twice, byte for byte (``tests/test_zarr_dtypes.py`` checks it): as
+``zarrckpt.interop.zarr_dtypes`` in zarrckpt, and as the module ``zarrckpt_dtypes`` of the
+distribution ``zarrckpt-dtypes`` (``dtypes/`` in zarrckpt's repository: zarr, NumPy and
+ml_dtypes only, no torch or TensorStore), for readers who want nothing else. With either
+installed, zarr-python, dask and xarray read these arrays **without any import**:
+
+* zarr-python 3.4 loads the ``zarr.data_type`` entry points both distributions declare
+  the first time it looks a data type up (3.4.2 tried);
+* zarr-python 3.1 to 3.3 collect those entry points but never load them (3.1.6, 3.2.0 and
+  3.3.0 never call the data type registry's ``_lazy_load``). They do load their
+  ``zarr.buffer`` entry points the first time it needs a buffer class, which is before it
+  parses any metadata, so both distributions also declare one there: it names zarr's own
+  CPU buffer class (:data:`_ZarrCpuBuffer`, registered again under the name it already
+  has: nothing about buffers changes) and loading it imports this module, which registers
+  the data types (:func:`register` runs at import).
 
 Fill values follow TensorStore's JSON encoding: a number, ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"``, or ``"0x.."`` with the big-endian bits of the value (TensorStore writes that for
@@ -36,6 +45,7 @@ from zarr.core.dtype.npy.common import (
     float_to_json_v2,
     get_endianness_from_numpy_dtype,
 )
+from zarr.core.buffer.cpu import Buffer as _ZarrCpuBuffer
 from zarr.core.dtype.wrapper import TBaseDType, ZDType
 
 try:  # zarr >= 3.2 moved it (the old name warns)
@@ -238,3 +248,8 @@ def register() -> None:
     """Register all data types with zarr-python's data type registry (idempotent)."""
     for cls in _DTYPES:
         data_type_registry.register(cls._zarr_v3_name, cls)  # type: ignore[arg-type]
+
+
+# Importing this module registers the types: zarr 3.1 imports it through the ``zarr.buffer``
+# entry point (see the module docstring), and ``_ZarrCpuBuffer`` is what that entry point names.
+register()
