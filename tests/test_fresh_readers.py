@@ -67,8 +67,6 @@ def test_generic_readers_list_and_read_everything_in_a_fresh_process(tmp_path, t
     if tool != "zarr":
         pytest.importorskip("dask.array" if tool == "dask" else "xarray")
     path = GOLDEN / version / name
-    if tool == "xarray" and version == "v1.0":
-        pytest.skip("format 1.0 wrote no dimension_names, which xarray needs")
     r = subprocess.run([sys.executable, "-c", _FRESH, str(path), tool], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -165,3 +165,62 @@ def test_tensorstore_refuses_a_deleted_chunk_only_when_asked(tmp_path):
     strict = ts.open({**spec, "fill_missing_data_reads": False}).result()
     with pytest.raises(ValueError):
         strict.read().result()
+
+
+# ------------------------------------------------------------ the README's TensorStore recipe
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _recipe() -> dict:
+    """Runs the README's ``open_arrays`` block as written; returns its namespace."""
+    text = README.read_text(encoding="utf-8")
+    blocks = [b.split("\n", 1)[1] for b in text.split("```python")[1:]]
+    (code,) = [b.split("```", 1)[0] for b in blocks if "def open_arrays(" in b]
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - the README's own snippet
+    return ns
+
+
+def _kvstore(path: Path) -> dict:
+    return {"driver": "file", "path": str(path) + "/"}
+
+
+@pytest.mark.parametrize("version,name", CASES, ids=[f"{v}-{n}" for v, n in CASES])
+def test_readme_tensorstore_recipe_opens_every_array(version, name):
+    """Every stored array (bf16/fp8 included), values as zarr-python reads them."""
+    register()
+    path = GOLDEN / version / name
+    arrays = _recipe()["open_arrays"](_kvstore(path))
+    stored = sorted(os.path.relpath(d, path) for d, _, files in os.walk(path) if "zarr.json" in files
+                    and json.loads(Path(d, "zarr.json").read_text(encoding="utf-8"))["node_type"] == "array")
+    assert sorted(arrays) == stored
+    for array, t in arrays.items():
+        a, b = np.asarray(t.read().result()), np.asarray(zarr.open_array(path / array, mode="r")[...])
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), array
+
+
+def test_readme_tensorstore_recipe_reads_only_the_root_document(tmp_path):
+    """Format 1.2: with every zarr.json but the root's removed, it still opens and reads all."""
+    src = GOLDEN / "v1.2" / "one_default"
+    shutil.copytree(src, tmp_path / "c")
+    removed = [p for p in (tmp_path / "c").rglob("zarr.json") if p.parent != tmp_path / "c"]
+    for p in removed:
+        p.unlink()
+    arrays = _recipe()["open_arrays"](_kvstore(tmp_path / "c"))
+    assert len(arrays) == len(removed) - sum(1 for p in removed if '"group"' in (src / p.relative_to(tmp_path / "c")).read_text())
+    assert any(str(t.dtype) == 'dtype("bfloat16")' for t in arrays.values())
+    for t in arrays.values():
+        t.read().result()
+
+
+def test_readme_tensorstore_recipe_refuses_a_deleted_chunk_and_a_pending_checkpoint(tmp_path):
+    path, array, _ = _damaged_copy(tmp_path, "delete")
+    arrays = _recipe()["open_arrays"](_kvstore(path))
+    with pytest.raises(ValueError):
+        arrays[array].read().result()
+    root = json.loads((path / "zarr.json").read_text(encoding="utf-8"))
+    root["attributes"]["zarrckpt"]["state"] = "pending"
+    (path / "zarr.json").write_text(json.dumps(root), encoding="utf-8")
+    with pytest.raises(ValueError, match="not a committed"):
+        _recipe()["open_arrays"](_kvstore(path))
