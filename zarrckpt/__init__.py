@@ -7,7 +7,8 @@ The whole public API::
     wait_for_saves(timeout=None)           # every async save of this process, done
     reserve_staging(state_dict | nbytes)   # allocate async staging memory up front
     release_staging()
-    load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False, report=None)
+    load(state_dict, path, *, process_group=None, strict=True, key_map=None, cast=False, report=None,
+         progress=None)                    # progress=True: a tqdm bar; or a callable (also save's)
     load_state_dict(path, keys=None) -> dict of plain CPU tensors
     open(path) -> Checkpoint          # torch-free, lazy, read-only view (LazyArray leaves)
     open_run(paths_or_manager_dir) -> xarray.Dataset with a step dimension (dask-backed)
@@ -128,6 +129,12 @@ def save(state_dict: dict, path: Any, *, process_group: Any = None, overwrite: b
     * ``max_staging_bytes``: host memory for copying GPU tensors out (default 1 GiB).
     * ``max_inflight_bytes``: bytes being written at once (default 256 MiB).
     * ``storage``: a :class:`StorageOptions` (threads, fsync, object-store endpoint, retries).
+    * ``progress``: a ``callable(phase, done_bytes, total_bytes)`` told this rank's progress:
+      ``"write"`` (chunk bytes handed to storage, at most ``max_inflight_bytes`` ahead of
+      those stored; first 0, then after each chunk, then once all are durable), then
+      ``"commit"`` once (``done_bytes == total_bytes``). Called from the calling thread
+      (``async_save``: from its background thread). ``True``: a tqdm progress bar on
+      rank 0 (needs tqdm: ``pip install tqdm``). None (default): no per-chunk work.
 
     Every rank must pass the same ``path``, ``overwrite``, ``compression``,
     ``inner_chunk_bytes``, ``pack_bytes``, ``replica_split_bytes`` and ``chunk_target_bytes``: ranks that disagree
@@ -170,7 +177,8 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
 def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool | str = True,
          key_map: Any = None, cast: bool = False, report: dict | None = None,
          max_staging_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
-         storage: StorageOptions | None = None, shared_reads: bool | None = None) -> dict:
+         storage: StorageOptions | None = None, shared_reads: bool | None = None,
+         progress: Any = None) -> dict:
     """Load the checkpoint at ``path`` into ``state_dict`` in place and return ``state_dict``.
 
     Tensors, DTensors and ShardedTensors are filled in place, whatever mesh, placements
@@ -209,13 +217,19 @@ def load(state_dict: dict, path: Any, *, process_group: Any = None, strict: bool
     object, which fetches the object once (one GET) and sends each rank its part over the
     process group, instead of every rank reading its part with its own requests (default
     None: on object stores, with more than one rank; True/False: always/never).
+    ``progress``: a ``callable(phase, done_bytes, total_bytes)`` told this rank's progress,
+    from the calling thread: ``"read"`` (bytes of stored data read into its targets by this
+    rank, at most ``max_inflight_bytes`` ahead of the reads done; first 0, then as reads
+    are issued, then once all are done), then ``"apply"`` once (``done_bytes ==
+    total_bytes``). ``True``: a tqdm progress bar on rank 0 (needs tqdm: ``pip install
+    tqdm``). None (default): no per-read work.
     """
     from .api.load import load as _load
 
     return _load(state_dict, path, process_group=process_group, strict=strict,
                  key_map=key_map, cast=cast, report=report,
                  max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
-                 storage=storage, shared_reads=shared_reads)
+                 storage=storage, shared_reads=shared_reads, progress=progress)
 
 
 def wait_for_saves(timeout: float | None = None) -> list:

@@ -187,7 +187,8 @@ def async_save(state_dict: dict, path: Any, *, process_group: Any = None, overwr
             previous = list(_inflight)
         for f in previous:  # its staging buffer is about to be reused
             cf.wait([f])
-        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata)
+        run = SaveRun(state_dict, path, process_group, overwrite, SaveOptions.from_kwargs(options), metadata,
+                      "async_save")
         _hooks()
         run.enter("async_save")  # before the side group, whose creation needs every rank
         side = run.g.side_group()

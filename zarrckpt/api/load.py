@@ -57,7 +57,7 @@ from ..format.layout import Layout, Replicate, slices as _slices, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
 from ..storage import StorageOptions, tile_grid
-from . import shared_reads
+from . import _progress, shared_reads
 from ._gc import paused
 
 log = logging.getLogger("zarrckpt")
@@ -86,7 +86,8 @@ class LoadRun:
 
     def __init__(self, state_dict: dict, path: Any, g: zdist.Group, *, strict: Any, key_map: KeyMap,
                  cast: bool, max_staging_bytes: int, max_inflight_bytes: int,
-                 storage: StorageOptions | None = None, shared_reads: bool | None = None) -> None:
+                 storage: StorageOptions | None = None, shared_reads: bool | None = None,
+                 progress: _progress.ProgressFn | None = None) -> None:
         if not isinstance(state_dict, dict):
             raise StateDictMismatchError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         self.state_dict = state_dict
@@ -112,6 +113,8 @@ class LoadRun:
         self.unexpected: list[str] = []
         self.reads: _Reads | None = None
         self.timings: dict[str, float] = {}
+        self.progress = progress
+        self.read_total = 0  # bytes this rank reads itself (progress)
 
     def _timed(self, name: str, t0: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
@@ -241,6 +244,10 @@ class LoadRun:
             self.shared = shared_reads.run(g, ckpt, pieces)
             todo = rest[0]
         self.reads = reads = _Reads(ckpt, self.max_staging_bytes, self.max_inflight_bytes, staged)
+        if self.progress is not None:
+            self.read_total = _read_bytes(todo, self.infos) + sum(
+                math.prod(infos[k].shape) * infos[k].dtype.numpy.itemsize for k in fill_arrays)
+            reads.pending = _Reporting(reads.pending, functools.partial(self.progress, "read"), self.read_total)
         # every target's torch calls before the first read starts: each releases the GIL and,
         # with the reader threads busy, waits to take it back (see _Reads.add)
         targets = [(ck, boxes, local, *_target(local, self.infos[ck])) for ck, boxes, local in todo]
@@ -249,6 +256,8 @@ class LoadRun:
                 reads.add(ck, self.infos[ck], boxes, local, direct, base)
             plain = _plain_tensors(reads, infos, fill_arrays)
             reads.finish()
+        if self.progress is not None:
+            self.progress("read", self.read_total, self.read_total)
         filled = {k: _as_leaf(infos[k], plain[k]) for k in fill_arrays}
         for kp, ck in self.fills:
             sub = CheckpointView(ckpt, ck).to_dict(load_array=filled.__getitem__)
@@ -274,6 +283,8 @@ class LoadRun:
         for _, obj, value in sorted(stateful, key=lambda s: s[0]):
             obj.load_state_dict(value)
         self._timed("apply", t0)
+        if self.progress is not None:
+            self.progress("apply", self.read_total, self.read_total)
 
     def report(self) -> dict:
         reads = self.reads
@@ -302,6 +313,33 @@ def _not_a_container(key: str, ck: str, leaf: Any, stored: list[str]) -> str:
             f"(it has no {' or '.join(lacks)}), so zarrckpt cannot load into it. Pass its state dict "
             f"instead, or give it state_dict() and load_state_dict() (torch.distributed.checkpoint."
             f"stateful.Stateful)")
+
+
+def _read_bytes(todo: list, infos: dict) -> int:
+    """The bytes of the (key, [(global box, local box)], target) reads ``todo``."""
+    return sum(math.prod(b - a for a, b in gbox) * infos[ck].dtype.numpy.itemsize
+               for ck, boxes, _ in todo for gbox, _ in boxes)
+
+
+class _Reporting:
+    """The reads' in-flight bound, telling ``progress(done, total)`` the bytes of each read
+    it is given (only when a progress callback was passed: no per-read work otherwise).
+    Whole stored tiles may be read for a staged piece: ``done`` stops at ``total``."""
+
+    def __init__(self, inner: InFlight, progress: Callable[[int, int], None], total: int) -> None:
+        self.inner = inner
+        self.report = progress
+        self.total = total
+        self.done = 0
+        progress(0, total)
+
+    def add(self, key: str, future: Any, nbytes: int) -> None:
+        self.inner.add(key, future, nbytes)
+        self.done = min(self.done + nbytes, self.total)
+        self.report(self.done, self.total)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _is_empty_container(leaf: Any) -> bool:
@@ -342,25 +380,30 @@ def load(
     max_inflight_bytes: int = 256 << 20,
     storage: StorageOptions | None = None,
     shared_reads: bool | None = None,
+    progress: Any = None,
 ) -> dict:
     if strict not in STRICT_MODES:
         raise ValueError(f"strict must be True, False or 'exact', not {strict!r}")
-    with paused():  # see _gc.paused: a collection inside one rank's load stalls every rank
-        return _load(state_dict, path, process_group, strict, key_map, cast, report, max_staging_bytes,
-                     max_inflight_bytes, storage, shared_reads)
-
-
-def _load(state_dict: dict, path: Any, process_group: Any, strict: Any, key_map: KeyMap, cast: bool,
-          report: dict | None, max_staging_bytes: int, max_inflight_bytes: int, storage: StorageOptions | None,
-          shared_reads: bool | None) -> dict:
     g = zdist.group(process_group)
+    fn = _progress.resolve(progress, "load", g.rank)  # tqdm imported here, before any collective
+    try:
+        with paused():  # see _gc.paused: a collection inside one rank's load stalls every rank
+            return _load(state_dict, path, g, strict, key_map, cast, report, max_staging_bytes,
+                         max_inflight_bytes, storage, shared_reads, fn)
+    finally:
+        _progress.close(fn)
+
+
+def _load(state_dict: dict, path: Any, g: zdist.Group, strict: Any, key_map: KeyMap, cast: bool,
+          report: dict | None, max_staging_bytes: int, max_inflight_bytes: int, storage: StorageOptions | None,
+          shared_reads: bool | None, progress: _progress.ProgressFn | None) -> dict:
     g.enter("load")  # every rank called load (else a DistributedError names who did not)
     run = None
     error = None
     try:
         run = LoadRun(state_dict, path, g, strict=strict, key_map=key_map, cast=cast,
                       max_staging_bytes=max_staging_bytes, max_inflight_bytes=max_inflight_bytes,
-                      storage=storage, shared_reads=shared_reads)
+                      storage=storage, shared_reads=shared_reads, progress=progress)
         run.open()
         run.match()
         run.validate()

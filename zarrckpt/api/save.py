@@ -62,6 +62,7 @@ from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
 from ..distributed.staging import Arena, staged_nbytes, streaming_arena, sync_devices
 from ..storage import Storage, StorageOptions, open_storage
+from . import _progress
 
 log = logging.getLogger("zarrckpt")
 
@@ -104,6 +105,11 @@ class SaveOptions:
         device ones to the host). Without it, a plain leaf is taken to be the same on every
         rank that holds it and one of them writes it; ranks whose plain leaves of one key
         differ in shape or dtype are always refused.
+    progress: a ``callable(phase, done_bytes, total_bytes)`` told this rank's progress
+        (phase ``"write"``: chunk bytes handed to storage, then ``"commit"`` once; see
+        ``api/_progress.py``), from the thread that writes (the caller's for ``save``, the
+        background thread for ``async_save``); ``True``: a tqdm bar on rank 0; None
+        (default): nothing, and no per-chunk work.
 
     compression, inner_chunk_bytes, replica_split_bytes, pack_bytes and chunk_target_bytes decide what
     lands on storage: every rank must pass the same values (ranks that disagree are
@@ -120,6 +126,7 @@ class SaveOptions:
     storage: StorageOptions = field(default_factory=StorageOptions)
     entry_timeout: float | None = None
     check_replicas: bool = False
+    progress: Any = None
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> SaveOptions:
@@ -142,6 +149,9 @@ class SaveOptions:
                 "(zarr-python, xarray, TensorStore see only byte arrays under .packs/). Small "
                 "leaves are their own arrays by default; grouped chunks (chunk_target_bytes) keep "
                 "the object count low", FutureWarning, stacklevel=4)
+        if not (opts.progress is None or isinstance(opts.progress, bool) or callable(opts.progress)):
+            raise ValueError(f"progress must be a callable(phase, done_bytes, total_bytes), True or None, "
+                             f"not {opts.progress!r}")
         if not isinstance(opts.check_replicas, bool):
             raise ValueError(f"check_replicas must be True or False, not {opts.check_replicas!r}")
         if opts.entry_timeout is not None and not (
@@ -160,7 +170,7 @@ class SaveRun:
     (frozen :class:`ArrayPlan` records); this object holds what executing it needs."""
 
     def __init__(self, state_dict: dict, path: Any, process_group: Any, overwrite: bool,
-                 options: SaveOptions, metadata: dict | None = None) -> None:
+                 options: SaveOptions, metadata: dict | None = None, what: str = "save") -> None:
         if not isinstance(state_dict, dict):
             raise UnsupportedValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if metadata is not None:
@@ -203,6 +213,7 @@ class SaveRun:
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
         self.bytes_staged = 0
+        self.progress = _progress.resolve(options.progress, what, self.g.rank)  # tqdm imported here
 
     def _timed(self, name: str, t0: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
@@ -552,8 +563,9 @@ class SaveRun:
                              if p.coord is not None and p.layout.metadata_writer() == p.coord}
                 arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
                 self.chunk_crcs = {}  # spec §6.6: this rank's chunk CRCs, for the root (finish)
-                self.bytes_written += engine.write_arrays(self.store, documents, arrays,
-                                                          self.options.max_inflight_bytes, self.chunk_crcs)
+                self.bytes_written += engine.write_arrays(
+                    self.store, documents, arrays, self.options.max_inflight_bytes, self.chunk_crcs,
+                    None if self.progress is None else functools.partial(self.progress, "write"))
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         finally:
@@ -612,9 +624,12 @@ class SaveRun:
         engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"),
                       crcs=getattr(self, "chunk_crcs", None))
         self._timed("commit", t0)
+        if self.progress is not None:
+            self.progress("commit", self.bytes_written, self.bytes_written)
 
     def abandon(self) -> None:
         """After a failure that every rank has seen: rank 0 removes this save's directory."""
+        _progress.close(self.progress)
         engine.abandon(self.g, self.target)
 
     def report(self) -> dict[str, Any]:

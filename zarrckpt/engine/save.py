@@ -288,30 +288,62 @@ class ChunkWriter:
 
 
 def write_arrays(store: Storage, documents: Mapping[str, Mapping[str, Any]], arrays: Sequence[ArrayWrite],
-                 max_inflight_bytes: int, crcs: dict | None = None) -> int:
+                 max_inflight_bytes: int, crcs: dict | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> int:
     """Every rank, between C1 and C2: write the array ``documents`` (key -> ``zarr.json``)
     this rank writes, then the chunks of ``arrays`` in order; wait for all, then one
     syncfs. Returns the bytes of chunk data written. A failure is raised after every
     write issued has completed (or was cancelled). ``crcs``: a dict that receives, per
     array key and chunk index, the CRC-32Cs of the chunk's units (spec §6.6), for
-    :func:`finish`."""
+    :func:`finish`. ``progress``: called in this thread with (chunk bytes issued, this
+    rank's chunk bytes) before the first chunk and after each (issued bytes run at most
+    ``max_inflight_bytes`` ahead of completed ones), and once more when all are durable;
+    None: no per-chunk work at all."""
     with ChunkWriter(store, max_inflight_bytes, crcs) as out:
         for key, doc in documents.items():
             out.document(key, doc)
         for a in arrays:  # open every array that needs TensorStore at once
             if not all(out.is_fast(a.key, a.document, _extent(c.box)) for c in a.chunks):
                 out.open_soon(a.key, a.document)
-        for a in arrays:
-            _write_chunks(out, a)
+        if progress is None:
+            for a in arrays:
+                _write_chunks(out, a)
+        else:
+            report = _Reported(progress, arrays)
+            for a in arrays:
+                _write_chunks(out, a, report)
         out.finish()
+    if progress is not None:
+        progress(report.done, report.total)
     return out.bytes_written
 
 
-def _write_chunks(out: ChunkWriter, a: ArrayWrite) -> None:
+class _Reported:
+    """write_arrays' ``progress``: the chunk bytes issued so far, of ``total``."""
+
+    def __init__(self, progress: Callable[[int, int], None], arrays: Sequence[ArrayWrite]) -> None:
+        self.progress = progress
+        self.done = 0
+        self.total = sum(math.prod(_extent(c.box)) * dtypes.by_zarr(a.document["data_type"]).numpy.itemsize
+                         for a in arrays for c in a.chunks)
+        progress(0, self.total)
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.progress(self.done, self.total)
+
+
+def _write_chunks(out: ChunkWriter, a: ArrayWrite, report: _Reported | None = None) -> None:
     host = a.host(out) if a.host is not None and any(c.data is None for c in a.chunks) else None
+    if report is None:
+        for c in a.chunks:
+            data = c.data if c.data is not None else host[slices(c.local)]
+            out.chunk(a.key, a.document, c.index, c.box, data)
+        return
     for c in a.chunks:
         data = c.data if c.data is not None else host[slices(c.local)]
         out.chunk(a.key, a.document, c.index, c.box, data)
+        report(data.nbytes)
 
 
 def _extent(box: Box) -> tuple[int, ...]:
