@@ -159,3 +159,33 @@ def test_a_padding_index_entry_outside_its_shard_is_refused():
                           tile.reshape(4, 4))
     with pytest.raises(CorruptChunkError, match=r"c/0/0, inner chunk \[1, 0\].*does not fit"):
         decode(shard([1000, 68]), codec, (0, 0), ((0, 4), (0, 4)), "c/0/0")
+
+
+def w_shared_load(rank, world, path):
+    """A load of every array with shared_reads=True; what it raised, by class and message."""
+    import torch
+
+    import zarrckpt
+
+    target = {"a": torch.zeros(8, 8), "b": torch.zeros(8, 8)}
+    try:
+        zarrckpt.load(target, path, shared_reads=True)
+        return "ok"
+    except zarrckpt.ZarrckptError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_shared_reads_refuse_chunks_out_of_place(tmp_path, clusters):
+    """Format 1.3 (spec §6.6): shared reads decode chunk objects themselves, and check each
+    chunk's CRC-32C against the one the root records for its position: chunk files swapped
+    between two arrays are refused on every rank, naming the array and chunk."""
+    from pathlib import Path
+
+    import test_chunk_positions as tcp
+
+    path = Path(tmp_path) / "c"
+    tcp._plain_checkpoint(path)
+    assert clusters(2).run(w_shared_load, str(path)) == ["ok", "ok"]
+    tcp._swap(path / "a" / "c" / "1" / "0", path / "b" / "c" / "1" / "0")
+    out = clusters(2).run(w_shared_load, str(path))
+    assert all(o.startswith("CorruptChunkError") and "position" in o and "c/1/0" in o for o in out), out

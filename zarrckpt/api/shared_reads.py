@@ -40,7 +40,7 @@ from ..distributed import group as zdist
 from ..errors import CorruptChunkError
 from ..format import dtypes
 from ..format.layout import slices as _slices
-from ..storage import ChunkCodec, check_index, chunk_codec, inner_offset
+from ..storage import ChunkCodec, check_index, chunk_codec, inner_offset, misplaced
 from ..storage.inflight import wait_all
 
 __all__ = ["PIECE_BYTES", "Piece", "ROUND_BYTES", "decode", "owner", "run", "split"]
@@ -232,7 +232,7 @@ def _serve(ckpt: Any, asked: dict[int, list], stats: dict) -> dict[int, np.ndarr
             raise CorruptChunkError(f"{where} is missing from storage")
         stats["bytes_fetched"] += len(raw)
         stats["whole_chunks"] += 1
-        data = decode(raw, codec, index, cbox, where)
+        data = decode(raw, codec, index, cbox, where, ckpt.unit_crcs(key))
         for r, j, box in users:
             sub = data[tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(box, cbox))]
             _view(out[r], offsets[r][j], box, codec.dtype)[...] = sub
@@ -245,16 +245,26 @@ def _view(buf: np.ndarray, at: int, box: Box, dtype: np.dtype) -> np.ndarray:
     return buf[at:at + n].view(dtype).reshape(tuple(b - a for a, b in box))
 
 
-def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, where: str) -> np.ndarray:
+def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, where: str,
+           positions: np.ndarray | None = None) -> np.ndarray:
     """The values of one chunk object (the part inside the array: ``cbox``) from its bytes,
-    for the two uncompressed chains of spec §5.5, every checksum checked."""
+    for the two uncompressed chains of spec §5.5, every checksum checked; with ``positions``
+    (format 1.3, spec §6.6) each checked CRC-32C must also be the one recorded for its place."""
     mv = memoryview(raw)
     out = np.empty(tuple(b - a for a, b in cbox), codec.dtype)
     enc = codec.inner_nbytes + 4
+
+    def placed(crc: Any, j: tuple[int, ...], at: str) -> None:
+        if positions is not None:
+            got, want = int.from_bytes(crc, "little"), int(positions[codec.unit_linear(index, j)])
+            if got != want:
+                raise misplaced(at, got, want)
+
     if not codec.sharded:
         if len(mv) != enc:
             raise CorruptChunkError(f"{where}: {len(mv)} bytes, expected {enc}")
         _check(mv[:-4], mv[-4:], where)
+        placed(mv[-4:], (0,) * len(index), where)
         tile = np.frombuffer(mv[:-4], np.uint8).view(codec.dtype).reshape(codec.chunk)
         out[...] = tile[tuple(slice(0, b - a) for a, b in cbox)]
         return out
@@ -269,6 +279,7 @@ def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, whe
         off = inner_offset(table, codec, j, end, f"{where}, inner chunk {j}")
         body = mv[off:off + codec.inner_nbytes]
         _check(body, mv[off + codec.inner_nbytes:off + enc], f"{where}, inner chunk {j}")
+        placed(mv[off + codec.inner_nbytes:off + enc], j, f"{where}, inner chunk {j}")
         ibox = codec.inner_box(index, j)
         tile = np.frombuffer(body, np.uint8).view(codec.dtype).reshape(codec.inner)
         out[tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(ibox, cbox))] = \

@@ -239,6 +239,12 @@ class CheckpointView:
         full = self._full(key)
         return self._ck._array_infos([full])[full]
 
+    def unit_crcs(self, key: str) -> Any:
+        """The table of chunk positions of ``key``'s array (spec §6.6, format 1.3 on: the
+        CRC-32C each unit must carry, by its linear index in the unit grid), or None."""
+        full = self._full(key)
+        return self._ck._positions(full, self._ck._array_infos([full])[full])
+
     @checked_read
     def array_infos(self, keys: Iterable[str]) -> dict[str, fmt.ArrayInfo]:
         """Parsed and verified ``zarr.json`` of many arrays, read concurrently and cached.
