@@ -221,3 +221,22 @@ def test_a_1_3_root_without_its_table_or_with_a_wrong_one_is_refused():
     old = json.loads(raw)
     old["attributes"]["zarrckpt"]["version"] = "1.2"
     assert fmt.parse_root_bytes(reseal(old), "x").chunk_tables is None
+
+
+def test_tier_copies_and_promoted_steps_carry_the_table(tmp_path, monkeypatch):
+    """The manager's node-tier saves (spec §7.8) write format 1.3 roots too, and promotion
+    copies them: both record the chunk positions, so a tier copy with two chunk files
+    swapped is refused by a load like any checkpoint."""
+    monkeypatch.setenv("ZARRCKPT_NODE", "solo")
+    state = {"a": torch.arange(64.0).reshape(8, 8), "b": -torch.arange(64.0).reshape(8, 8)}
+    with zarrckpt.CheckpointManager(tmp_path / "p", local_dir=tmp_path / "l", local_replicas=0,
+                                    persist_every=1, chunk_target_bytes=None) as mgr:
+        mgr.save(1, state)
+    roots = [tmp_path / "l" / "solo" / fmt.step_name(1), tmp_path / "p" / fmt.step_name(1)]
+    for root in roots:
+        doc = json.loads((root / "zarr.json").read_bytes())["attributes"]["zarrckpt"]
+        assert set(doc["digests"]["chunks"]) == {"a", "b"}, root
+    local = roots[0]
+    _swap(local / "a" / "c" / "0" / "0", local / "b" / "c" / "0" / "0")
+    with pytest.raises(errors.CorruptChunkError, match="position"):
+        zarrckpt.load_state_dict(local)

@@ -611,14 +611,24 @@ class TierRun(SaveRun):
         leader = g.rank == nodes.leader
         try:
             mine = self._written_files()
-            root = self._root("committed") if g.rank == 0 else None
+            crcs = engine.pack_crcs(getattr(self, "chunk_crcs", None) or {})
         except BaseException as e:  # noqa: BLE001
-            mine, root, error = None, None, e
-        views = g.all_gather((mine, root, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes))))
+            mine, crcs, error = None, None, e
+        views = g.all_gather((mine, crcs, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes))))
         if not all(ok for _, _, ok, _ in views):
             g.agree(error or SaveFailedError("another rank failed"), "listing the local tier save's files",
                     SaveFailedError)
-        self.committed_root = views[0][1]
+        # rank 0's committed root, with every rank's chunk CRCs (format 1.3, spec §6.6), to every rank
+        root = None
+        if g.rank == 0:
+            try:
+                root = self._root("committed", chunk_crcs=engine.merge_crcs([engine.unpack_crcs(v[1]) for v in views]))
+            except BaseException as e:  # noqa: BLE001 - every rank learns it below
+                error = e
+        self.committed_root = g.all_gather(root)[0]
+        if self.committed_root is None:
+            g.agree(error or SaveFailedError("rank 0 could not build the committed root"),
+                    "building the local tier save's root", SaveFailedError)
         # each node's files: its ranks' in rank order, each rank's as it wrote them
         files = {nodes.names[i]: list(dict([f[:2] for r in nodes.ranks[i] for f in views[r][0]]).items())
                  for i in range(len(nodes.names))}

@@ -64,7 +64,8 @@ from ..format.layout import slices
 from ..storage import Storage, plain_body, translate_error
 
 __all__ = ["ArrayWrite", "ChunkWrite", "ChunkWriter", "Group", "OneProcess", "SMALL_CHUNK_BYTES", "abandon",
-           "begin", "fast_chunk_shape", "finish", "new_identity", "write_arrays"]
+           "begin", "fast_chunk_shape", "finish", "merge_crcs", "new_identity", "pack_crcs", "unpack_crcs",
+           "write_arrays"]
 
 SMALL_CHUNK_BYTES = 1 << 20  # whole plain chunks up to this size skip TensorStore (spec C.5 step 3)
 
@@ -390,7 +391,7 @@ def finish(group: Group, url: str, target: _commit.Target | None, error: BaseExc
     if group.rank == 0:
         try:
             if gathered is not None:
-                committed_root = functools.partial(committed_root, chunk_crcs=_merge_crcs(gathered))
+                committed_root = functools.partial(committed_root, chunk_crcs=merge_crcs(gathered))
             _commit.publish(target, committed_root())
         except BaseException as e:  # noqa: BLE001 - reported to every rank at C3
             error = e
@@ -407,16 +408,26 @@ def _gather_crcs(group: Group, crcs: dict) -> list | None:
     gather = getattr(group, "gather_to_root", None)
     if gather is None:
         return None
-    mine = {key: [(index, a.shape, a.astype("<u4").tobytes()) for index, a in chunks.items()]
-            for key, chunks in crcs.items()}
-    views = gather(mine)
+    views = gather(pack_crcs(crcs))
     if views is None:
         return None
-    return [{key: {index: np.frombuffer(raw, "<u4").reshape(shape) for index, shape, raw in chunks}
-             for key, chunks in view.items()} for view in views]
+    return [unpack_crcs(view) for view in views]
 
 
-def _merge_crcs(views: list[dict]) -> dict:
+def pack_crcs(crcs: dict) -> dict:
+    """One rank's chunk CRC-32Cs (``write_arrays(crcs=)``) as plain bytes, to send."""
+    return {key: [(index, a.shape, a.astype("<u4").tobytes()) for index, a in chunks.items()]
+            for key, chunks in crcs.items()}
+
+
+def unpack_crcs(view: dict) -> dict:
+    """:func:`pack_crcs` undone."""
+    return {key: {index: np.frombuffer(raw, "<u4").reshape(shape) for index, shape, raw in chunks}
+            for key, chunks in view.items()}
+
+
+def merge_crcs(views: list[dict]) -> dict:
+    """Every rank's chunk CRC-32Cs in one mapping, for ``committed_root(chunk_crcs=)``."""
     out: dict[str, dict] = {}
     for view in views:
         for key, chunks in view.items():
