@@ -3,8 +3,9 @@ simulated nodes (ZARRCKPT_NODE=node0/node1) checkpoints every 2 steps to each no
 tier (a copy of each node's files on the other node), promotes every 3rd save (every 6th
 step) to the persistent directory in the background, and is killed with SIGKILL at step
 15. Then node1 is "replaced": its local tier is wiped. The job restarts on the same 4
-ranks and resumes from step 14 restored from the peers' copies (no read of the persistent
-directory), then trains on to step 20.
+ranks and resumes from step 14 restored from the peers' copies (the persistent directory is
+only listed, to make sure it holds nothing newer: no step of it is read), then trains on to
+step 20.
 
     python examples/train_with_tiers.py [DIR]     # DIR/local (the nodes' tiers), DIR/persistent
 
