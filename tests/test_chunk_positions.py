@@ -240,3 +240,28 @@ def test_tier_copies_and_promoted_steps_carry_the_table(tmp_path, monkeypatch):
     _swap(local / "a" / "c" / "0" / "0", local / "b" / "c" / "0" / "0")
     with pytest.raises(errors.CorruptChunkError, match="position"):
         zarrckpt.load_state_dict(local)
+
+
+def test_dcp_storage_writer_and_jax_save_record_positions(tmp_path):
+    """The other writers of the engine write 1.3 roots too: DCP's storage layer
+    (``ZarrckptStorageWriter``: each rank's CRCs reach finish() with its write results) and
+    ``zarrckpt.jax.save`` (one process); a swap in what they wrote is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    from zarrckpt.dcp_storage import ZarrckptStorageWriter
+
+    state = {"a": torch.arange(64.0).reshape(8, 8), "b": -torch.arange(64.0).reshape(8, 8), "n": 3}
+    dcp.save(state, storage_writer=ZarrckptStorageWriter(str(tmp_path / "d")),
+             no_dist=True)
+    doc = json.loads((tmp_path / "d" / "zarr.json").read_bytes())["attributes"]["zarrckpt"]
+    assert {"a", "b"} <= set(doc["digests"]["chunks"])
+    assert torch.equal(zarrckpt.load_state_dict(tmp_path / "d")["a"], state["a"])
+    _swap(tmp_path / "d" / "a" / "c" / "0" / "0", tmp_path / "d" / "b" / "c" / "0" / "0")
+    with pytest.raises(errors.CorruptChunkError, match="position"):
+        zarrckpt.load_state_dict(tmp_path / "d")
+    jax = pytest.importorskip("jax")
+    from zarrckpt import jax as zjax
+
+    zjax.save({"a": jax.numpy.arange(12.0)}, str(tmp_path / "j"))
+    doc = json.loads((tmp_path / "j" / "zarr.json").read_bytes())["attributes"]["zarrckpt"]
+    assert set(doc["digests"]["chunks"]) == {"a"}

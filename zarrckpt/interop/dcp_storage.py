@@ -142,6 +142,7 @@ from ..storage.inflight import wait_all
 __all__ = ["ZarrckptStorageReader", "ZarrckptStorageWriter"]
 
 _TENSOR_KINDS = ("tensor", "dtensor", "sharded_tensor")
+_CRCS = "zarrckpt-crcs"  # tags the storage_data that carries a rank's chunk CRC-32Cs to finish()
 _ONE = engine.OneProcess()
 DEFAULT_MAX_CHUNKS = 4096
 
@@ -729,7 +730,8 @@ class ZarrckptStorageWriter(StorageWriter):
         store = _commit.save_store(open_storage(self.path, self.storage), data.save_id)
         results: list[WriteResult] = []
         docs = {f: _array_doc(s, data.save_id, data.codec, data.inner_chunk_bytes) for f, s in data.arrays.items()}
-        out = engine.ChunkWriter(store, self.max_inflight_bytes)
+        crcs: dict = {}  # spec §6.6: the CRC-32Cs of the units this rank writes, for the root
+        out = engine.ChunkWriter(store, self.max_inflight_bytes, crcs)
         try:
             for fqn, spec in data.arrays.items():
                 if spec.doc_writer == data.rank:
@@ -786,6 +788,10 @@ class ZarrckptStorageWriter(StorageWriter):
         except BaseException:
             out.stop()
             raise
+        if results:  # this rank's chunk CRCs reach finish() with its last result (DCP gathers them)
+            last = results[-1]
+            results[-1] = WriteResult(index=last.index, size_in_bytes=last.size_in_bytes,
+                                      storage_data=(_CRCS, engine.pack_crcs(crcs), last.storage_data))
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -798,10 +804,15 @@ class ZarrckptStorageWriter(StorageWriter):
                     for s in self._specs.values()}
             leaves: dict[str, tuple[tuple, Any]] = {
                 fqn: (self._paths[fqn], _Ref(spec.key)) for fqn, spec in self._specs.items()}
+            crcs = []
             for rank_results in results:
                 for r in rank_results:
-                    if isinstance(r.storage_data, tuple) and r.storage_data and r.storage_data[0] == "value":
-                        _, fqn, path, skel, value_docs = r.storage_data
+                    sd = r.storage_data
+                    if isinstance(sd, tuple) and sd and sd[0] == _CRCS:
+                        crcs.append(engine.unpack_crcs(sd[1]))
+                        sd = sd[2]
+                    if isinstance(sd, tuple) and sd and sd[0] == "value":
+                        _, fqn, path, skel, value_docs = sd
                         leaves[fqn] = (tuple(path), skel)
                         docs.update(value_docs)
             order = {fqn: i for i, fqn in enumerate(self._order)}
@@ -811,7 +822,8 @@ class ZarrckptStorageWriter(StorageWriter):
             tree = ztree.encode_tree(_containers(skeleton), lambda x: isinstance(x, _Ref))
             root = fmt.root_metadata(state="committed", save_id=self.save_id, world_size=self._world,
                                      created=self._created, writer=self._writer_versions(), tree=tree,
-                                     array_docs=docs, metadata=self.metadata)
+                                     array_docs=docs, metadata=self.metadata,
+                                     chunk_crcs=engine.merge_crcs(crcs))  # format 1.3 (spec §6.6)
             try:
                 fmt.parse_root_bytes(fmt.encode_document(root), target.location.url)
             except ZarrckptError as e:

@@ -695,18 +695,19 @@ def save(pytree: dict, path: Any, *, overwrite: bool = False, metadata: dict | N
     try:
         t0 = time.perf_counter()
         written = 0
+        crcs: dict = {}  # spec §6.6: this process's unit CRC-32Cs (a 1.3 root where they can be gathered)
         try:
             written = engine.write_arrays(
                 _commit.save_store(location, save_id), {p.key: docs[p.key] for p in plans if p.writes_metadata},
                 [engine.ArrayWrite(p.key, docs[p.key], chunks, host) for p in plans for host, chunks in p.parts],
-                max_inflight_bytes)
+                max_inflight_bytes, crcs)
         except BaseException as e:  # noqa: BLE001 - reported to every process at C2
             error = e
         timings["write"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine.finish(procs, location.url, target, error,
                       functools.partial(root, state="committed", tree=tree, array_docs=docs,
-                                        **({"metadata": metadata} if metadata is not None else {})))
+                                        **({"metadata": metadata} if metadata is not None else {})), crcs=crcs)
         timings["commit"] = time.perf_counter() - t0
     except BaseException:
         engine.abandon(procs, target)
