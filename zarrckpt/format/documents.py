@@ -183,15 +183,56 @@ def _float(s: str) -> float:
     return f
 
 
+MAX_NESTING = 102  # JSON levels of a document (spec §3.2): the deepest conforming root
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a candidate: the parse result decides
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _nesting(raw: bytes) -> int:
+    """The depth of a JSON text (spec §3.2): the most objects and arrays open at once, outside
+    strings (counted before parsing, so a deep document costs no recursion)."""
+    bare = np.frombuffer(_STRINGS.sub(b'""', raw), np.uint8)
+    if not bare.size:
+        return 0
+    step = (bare == ord("{")).astype(np.int32) + (bare == ord("[")) - (bare == ord("}")) - (bare == ord("]"))
+    return int(np.cumsum(step).max())
+
+
+def _lone_surrogate(doc: Any) -> str | None:
+    """The first string (member name or value) of a parsed document that holds a lone
+    surrogate (only a ``\\uD800``-``\\uDFFF`` escape that is not part of a pair decodes to one)."""
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    return k
+                stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
 def decode_document(data: bytes, where: str) -> dict[str, Any]:
-    """Parse a ``zarr.json`` strictly (spec §3.1): UTF-8, RFC 8259 JSON, an object, no
+    """Parse a ``zarr.json`` strictly (spec §3.2): UTF-8, RFC 8259 JSON, an object, no
     duplicate member names, no NaN/Infinity tokens, integers of at most
-    :data:`~zarrckpt.format.tree.MAX_INT_DIGITS` digits, finite numbers. Any other input raises
-    :class:`FormatError` naming ``where``."""
+    :data:`~zarrckpt.format.tree.MAX_INT_DIGITS` digits, finite numbers, every string
+    Unicode scalar values (no lone surrogate escape), at most :data:`MAX_NESTING` levels deep.
+    Any other input raises :class:`FormatError` naming ``where``."""
+    data = bytes(data)
     try:
-        text = bytes(data).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FormatError(f"{where} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    depth = _nesting(data)
+    if depth > MAX_NESTING:
+        raise FormatError(f"{where} is nested {depth} levels deep; a zarrckpt document has at most "
+                          f"{MAX_NESTING} (spec §3.2)")
     try:
         doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
                          parse_int=_int, parse_float=_float)
@@ -203,6 +244,11 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
         raise FormatError(f"{where}: {e}") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{where} must hold a JSON object, found {_json_type(doc)}")
+    if _SURROGATE_ESCAPE.search(text):
+        bad = _lone_surrogate(doc)
+        if bad is not None:
+            raise FormatError(f"{where}: the string {bad[:40]!r} holds a lone surrogate escape; every "
+                              "string of a document is Unicode scalar values (spec §3.2)")
     return doc
 
 
@@ -873,9 +919,11 @@ def _parse_consolidated(cm: Any, paths: set[str], minor: int, where: str) -> dic
     if cm is None:
         _need(minor < 2, where, "a committed root of version 1.2 or later must carry consolidated_metadata")
         return None
-    _need(isinstance(cm, dict) and cm.get("kind") == "inline" and cm.get("must_understand") is False
+    _need(isinstance(cm, dict) and set(cm) == {"kind", "must_understand", "metadata"}
+          and cm.get("kind") == "inline" and cm.get("must_understand") is False
           and isinstance(cm.get("metadata"), dict), where,
-          'consolidated_metadata must be {"kind": "inline", "must_understand": false, "metadata": {...}}')
+          'consolidated_metadata must be exactly {"kind": "inline", "must_understand": false, '
+          '"metadata": {...}} (spec §6.7)')
     nodes = cm["metadata"]
     groups = set(group_paths(paths))
     if set(nodes) != paths | groups:
@@ -885,8 +933,13 @@ def _parse_consolidated(cm: Any, paths: set[str], minor: int, where: str) -> dic
                           + (f"; missing: {missing[:5]}" if missing else ""))
     for path, node in nodes.items():
         kind = "array" if path in paths else "group"
-        _need(isinstance(node, dict) and node.get("node_type") == kind and node.get("zarr_format") == 3, where,
+        _need(isinstance(node, dict) and node.get("node_type") == kind and node.get("zarr_format") == 3
+              and _is_int(node.get("zarr_format")), where,
               f"consolidated_metadata entry {path!r} must be the {kind} document of {path!r}")
+        if kind == "group":  # spec §6.7: a group below the root is never a checkpoint; the rest is ignored
+            attributes = node.get("attributes", {})
+            _need(isinstance(attributes, dict) and ATTR not in attributes, where,
+                  f"consolidated_metadata entry {path!r}: a group document has no '{ATTR}' attributes")
     return nodes
 
 

@@ -488,7 +488,7 @@ class LocalArray(Array):
         origin = tuple(a for a, _ in box)
         pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
         small = c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES
-        group = _Group(len(pieces))
+        group = _Group(len(pieces), self._bool_check(box, out))
         for piece in pieces:
             whole = self._whole_chunks(piece) if small else frozenset()
             self._pool.submit(group.run, lambda piece=piece, whole=whole:
@@ -515,7 +515,7 @@ class LocalArray(Array):
             units.append((tuple(x * n // cs for x, n, cs in zip(g, c.inner, c.chunk)),
                           tuple(x * n % cs // n for x, n, cs in zip(g, c.inner, c.chunk)), out[k]))
         pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
-        group = _Group(len(pieces))
+        group = _Group(len(pieces), self._bool_check(box, out))
         for piece in pieces:
             self._pool.submit(group.run, lambda piece=piece: self._read_tiles(piece))
         return group.future
@@ -539,6 +539,22 @@ class LocalArray(Array):
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _bool_check(self, box: Box, out: np.ndarray) -> Callable[[], None] | None:
+        """For a ``bool`` array: a check, run once the read is done, that every byte read is
+        0 or 1 (spec §5.2: another byte is damage, even when its CRC-32C holds; tiles are
+        whole inner chunks, their padding holds the fill value, false). None for other types."""
+        if self.codec.dtype != np.bool_:
+            return None
+
+        def check() -> None:
+            bad = np.asarray(out).view(np.uint8) > 1
+            if bad.any():
+                at = tuple(int(x) for x in np.argwhere(bad)[0])
+                raise CorruptChunkError(
+                    f"array {self.key!r}: a bool element read from box {list(box)} (at {list(at)} of the read) is "
+                    f"stored as the byte {int(np.asarray(out).view(np.uint8)[at])}, not 0 or 1 (spec §5.2)")
+        return check
 
     def _whole_chunks(self, piece: list) -> set:
         """Chunks of which ``piece`` wants every stored inner chunk: read in one call each
