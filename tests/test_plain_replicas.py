@@ -88,3 +88,46 @@ def w_unchecked(rank, world, path):
 def test_check_replicas_is_validated():
     with pytest.raises(ValueError, match="check_replicas"):
         zarrckpt.save({"w": torch.ones(1)}, "/nonexistent/never", check_replicas="yes")
+
+
+def w_checked(rank, world, path, case, use_async):
+    """check_replicas over plain leaves of every kind: bf16/fp8 (no buffer protocol of their
+    own), a key only rank 1 holds (pipeline stages), and packed small leaves (pack_bytes)."""
+    import warnings
+
+    state = {"b": torch.full((3,), 2.0, dtype=torch.bfloat16), "f8": torch.ones(4).to(torch.float8_e4m3fn),
+             "ok": torch.ones(2)}
+    if rank == 1:
+        state["only1"] = torch.arange(3.0)
+    opts = {"check_replicas": True}
+    if case == "differ":
+        state["b"] = torch.full((3,), float(rank), dtype=torch.bfloat16)
+    if case == "packed":
+        opts["pack_bytes"] = 1 << 10
+        state["small"] = torch.full((2,), float(rank))
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if use_async:
+                zarrckpt.async_save(state, path, **opts).result(timeout=60)
+            else:
+                zarrckpt.save(state, path, **opts)
+
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+@pytest.mark.parametrize("case", ["agree", "differ", "packed"])
+def test_check_replicas_on_bf16_fp8_partial_and_packed_leaves(clusters, tmp_path, case, use_async):
+    """Review findings: the CRC took a buffer of the array (bf16/fp8 have none: ValueError on
+    one rank, the others waiting in the gather); packed leaves were never compared."""
+    path = str(tmp_path / f"{case}-{use_async}")
+    out = clusters(2).run(w_checked, path, case, use_async)
+    if case == "agree":
+        assert out == ["ok", "ok"], out
+        got = zarrckpt.load_state_dict(path)
+        assert got["b"].dtype == torch.bfloat16 and torch.equal(got["only1"], torch.arange(3.0))
+    else:
+        key = "'b'" if case == "differ" else "'small'"
+        assert all(o.startswith(("UnsupportedValueError", "SaveFailedError")) and key in o for o in out), out

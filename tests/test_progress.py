@@ -174,3 +174,28 @@ def test_each_rank_reports_its_own_bytes(tmp_path, clusters):
     out = clusters(2).run(rank_progress, str(tmp_path / "c"))
     assert [o[0] for o in out] == [o[1] for o in out] and sum(o[0] for o in out) == 64 * 32 * 4
     assert [o[2] for o in out] == [64 * 16 * 4] * 2  # each rank reads its column half
+
+
+def rank_without_tqdm(rank, world, path):
+    """progress=True where tqdm is missing: what the save raised on this rank, and when."""
+    import time
+
+    sys.modules["tqdm"] = None
+    sys.modules["tqdm.auto"] = None
+    t0 = time.monotonic()
+    try:
+        zarrckpt.save({"w": torch.ones(3)}, path, progress=True, entry_timeout=30)
+        out = "ok"
+    except zarrckpt.ZarrckptError as e:
+        out = type(e).__name__
+    finally:
+        del sys.modules["tqdm"], sys.modules["tqdm.auto"]
+    return out, time.monotonic() - t0
+
+
+def test_progress_true_without_tqdm_fails_every_rank_at_once(tmp_path, clusters):
+    """Review finding: only rank 0 made the bar, so only rank 0 found tqdm missing and the
+    others waited out the entry timeout, then blamed rank 0."""
+    out = clusters(2).run(rank_without_tqdm, str(tmp_path / "c"))
+    assert [o for o, _ in out] == ["MissingDependencyError"] * 2, out
+    assert all(t < 10 for _, t in out), out

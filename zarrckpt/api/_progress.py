@@ -37,7 +37,8 @@ def resolve(progress: Any, what: str, rank: int) -> ProgressFn | None:
     if progress is None or progress is False:
         return None
     if progress is True:
-        return _Bar(what) if rank == 0 else None
+        bar = _Bar(what)  # on every rank: a missing tqdm fails every rank alike, before the entry check
+        return bar if rank == 0 else None
     if callable(progress):
         return progress
     raise ValueError(f"progress must be a callable(phase, done_bytes, total_bytes), True (a progress "

@@ -61,7 +61,7 @@ from ..planning.state import is_array_leaf, resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
 from ..distributed.staging import Arena, staged_nbytes, streaming_arena, sync_devices
-from ..storage import Storage, StorageOptions, open_storage
+from ..storage import Storage, StorageOptions, open_storage, plain_body
 from . import _progress
 
 log = logging.getLogger("zarrckpt")
@@ -303,6 +303,17 @@ class SaveRun:
         self.save_id = f"{ids[0]:015x}{ids[1]:015x}"
         self.created = fmt.utc_from_us(ids[2])
         self.arrays = [with_save_id(p, self.save_id) for p in self.arrays]
+        if self.options.check_replicas:  # before packing turns plain leaves into packs
+            crcs, err = None, None
+            try:
+                crcs = self._plain_crcs()
+            except BaseException as e:  # noqa: BLE001 - every rank learns it from the gather
+                err = f"rank {self.g.rank}: {type(e).__name__}: {e}"
+            views = self.g.all_gather((crcs, err))
+            failed = [e for _, e in views if e is not None]
+            if failed:
+                raise SaveFailedError("check_replicas: reading the plain leaves failed: " + "; ".join(failed))
+            _check_replica_values([c for c, _ in views])
         if same and self.options.pack_bytes > 0:
             self.arrays, nodes = assign_packs(self.arrays, self.g, self.options.plan, self.save_id)
             self.tree = fmt.with_packed_nodes(self.tree, nodes)
@@ -314,8 +325,6 @@ class SaveRun:
                 restrict_to_holders(p, held[p.key], self.g, self.options.plan)
                 if p.kind in _PLAIN_KINDS else p
                 for p in self.arrays]
-        if self.options.check_replicas:
-            _check_replica_values(self.g.all_gather(self._plain_crcs()))
         self.all_docs = {p.key: p.metadata for p in self.arrays}
         if not same:
             self.gathered = self.g.gather_to_root((self.tree, self.all_docs))
@@ -480,8 +489,7 @@ class SaveRun:
         hit = _PLAIN_DIGESTS.get(id(token)) if token is not None else None
         if hit is not None and hit[0] is token:
             return hit[1]
-        digest = json.dumps(sorted((p.key, list(p.layout.shape), p.dtype.zarr) for p in self.arrays
-                                   if p.kind in _PLAIN_KINDS)).encode()
+        digest = json.dumps(self._plain_specs()).encode()
         if token is not None:
             if len(_PLAIN_DIGESTS) > 64:
                 _PLAIN_DIGESTS.clear()
@@ -540,7 +548,7 @@ class SaveRun:
                 continue
             if isinstance(src, torch.Tensor):
                 src = dtypes.to_numpy(src.detach().cpu().contiguous())
-            out[p.key] = crc32c.crc32c(memoryview(np.ascontiguousarray(src)).cast("B"))
+            out[p.key] = crc32c.crc32c(plain_body(np.asarray(src)))  # bf16/fp8 too: through uint8
         return out
 
     def _needs_data(self, p: ArrayPlan) -> bool:

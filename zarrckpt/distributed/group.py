@@ -354,6 +354,11 @@ _entries: dict[tuple[int, ...], int] = {}  # zarrckpt calls entered, per set of 
 # next one, some dead), so every later collective over the same ranks fails at once, and the
 # failure is published in the c10d store for the ranks still blocked in a collective
 # (Group._wait). A side group over the same ranks counts as the same ranks.
+# Ranks whose zarrckpt collective failed in this process: they hold for the process group
+# they failed in, and are forgotten when the world is torn down (destroy_process_group(),
+# which on_destroy_process_group wraps): a world made again over the same ranks (a restart
+# in the same process, a notebook, a reused test worker) starts clean. The flag in the
+# store goes with the store.
 _broken: dict[tuple[int, ...], str] = {}
 
 
@@ -367,6 +372,7 @@ def _mark_broken(g: Group, why: str, publish: bool = True) -> None:
     if not g.active:
         return
     ranks = g.global_ranks()
+    _hook_destroy()  # before _side_lock: it takes it too
     with _side_lock:
         if ranks in _broken:
             return
@@ -450,10 +456,17 @@ _destroy_hooked = False
 def on_destroy_process_group(callback: Callable[[], None]) -> None:
     """Run ``callback`` before ``torch.distributed.destroy_process_group`` tears groups down
     (async saves in flight need their side group until they commit)."""
-    global _destroy_hooked
     with _side_lock:
         if callback not in _destroy_callbacks:
             _destroy_callbacks.append(callback)
+    _hook_destroy()
+
+
+def _hook_destroy() -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` once: the callbacks first; when the
+    whole world goes, zarrckpt's side groups and broken-rank flags go with it."""
+    global _destroy_hooked
+    with _side_lock:
         if _destroy_hooked:
             return
         _destroy_hooked = True
@@ -466,6 +479,7 @@ def on_destroy_process_group(callback: Callable[[], None]) -> None:
                 cb()
             if group is None:
                 _side_groups.clear()
+                _broken.clear()
             original(group)
 
         destroy_process_group.__doc__ = original.__doc__

@@ -1,0 +1,48 @@
+"""A zarrckpt collective that failed marks its ranks broken for that process group only:
+a world made again in the same process (a restart without a new process, a notebook, a
+reused test worker) starts clean (review finding: the flag outlived destroy_process_group)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cluster import free_port  # noqa: E402
+
+
+def _rank(rank: int, ports: list[int], path: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zarrckpt
+    from zarrckpt.distributed import group as zdist
+
+    seen = []
+    for n, port in enumerate(ports):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        try:
+            if n == 0:  # a collective failed here: the next save over these ranks is refused
+                zdist._mark_broken(zdist.group(None), "a peer died (test)", publish=False)
+                try:
+                    zarrckpt.save({"w": torch.ones(2)}, f"{path}/a", entry_timeout=10)
+                    seen.append("saved")
+                except zarrckpt.DistributedError:
+                    seen.append("refused")
+            else:  # the world made again: clean
+                zarrckpt.save({"w": torch.ones(2)}, f"{path}/b", entry_timeout=10)
+                seen.append("saved")
+        finally:
+            dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(",".join(seen))
+
+
+def test_broken_ranks_are_forgotten_with_their_world(tmp_path):
+    out = str(tmp_path / "out")
+    mp.spawn(_rank, args=([free_port(), free_port()], str(tmp_path), out), nprocs=2)
+    for r in range(2):
+        assert open(f"{out}.{r}").read() == "refused,saved", r
