@@ -627,14 +627,18 @@ class _Both(cf.Future):
 
     def __init__(self, write: Any, crc: cf.Future) -> None:
         super().__init__()
-        self._write, self._left, self._errors = write, 2, []
+        self._write, self._crc, self._left, self._errors = write, crc, 2, []
         self._lock = threading.Lock()
         write.add_done_callback(self._one)
         crc.add_done_callback(self._one)
 
     def cancel(self) -> bool:
+        """Cancel the write (and the CRC task if it has not started), but stay pending until
+        both have ended: a CRC task still running reads the source (pinned staging memory a
+        later ``release_staging()`` may free), so whoever waits for this future waits for it."""
         self._write.cancel()
-        return super().cancel()
+        self._crc.cancel()
+        return False
 
     def _one(self, f: Any) -> None:
         try:
