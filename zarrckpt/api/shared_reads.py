@@ -225,6 +225,7 @@ def _serve(ckpt: Any, asked: dict[int, list], stats: dict) -> dict[int, np.ndarr
                 reads.append((key, ckpt.read_into(key, box, _view(out[r], offsets[r][j], box, info.dtype.numpy))))
                 stats["bytes_fetched"] += math.prod(b - a for a, b in box) * info.dtype.numpy.itemsize
     futures = [storage.get(f"{ckpt._full(key)}/{codec.chunk_key(index)}") for key, index, _, codec, _ in whole]
+    positions = {key: ckpt.unit_crcs(key) for key in {w[0] for w in whole}}  # each table decoded once
     for (key, index, users, codec, cbox), fut in zip(whole, futures):
         raw = fut.result()
         where = f"chunk {codec.chunk_key(index)} of {key!r}"
@@ -232,7 +233,7 @@ def _serve(ckpt: Any, asked: dict[int, list], stats: dict) -> dict[int, np.ndarr
             raise CorruptChunkError(f"{where} is missing from storage")
         stats["bytes_fetched"] += len(raw)
         stats["whole_chunks"] += 1
-        data = decode(raw, codec, index, cbox, where, ckpt.unit_crcs(key))
+        data = decode(raw, codec, index, cbox, where, positions[key])
         for r, j, box in users:
             sub = data[tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(box, cbox))]
             _view(out[r], offsets[r][j], box, codec.dtype)[...] = sub
