@@ -1,4 +1,5 @@
-"""What each reader checks, pinned: the README's "Reading without zarrckpt" table.
+"""What each reader checks, pinned: the reader table of docs/pages/generic-readers.md (the README's
+"Reading without zarrckpt" section moved there).
 
 Torch-free on purpose: ``.ci/run`` runs this file a second time on Python 3.12 with the newest
 zarr-python, NumPy and TensorStore (no torch installed), beside the pinned set. Every case reads
@@ -167,18 +168,18 @@ def test_tensorstore_refuses_a_deleted_chunk_only_when_asked(tmp_path):
         strict.read().result()
 
 
-# ------------------------------------------------------------ the README's TensorStore recipe
+# ------------------------------------------------------------ the docs' TensorStore recipe
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+RECIPE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "pages" / "generic-readers.md"
 
 
 def _recipe() -> dict:
-    """Runs the README's ``open_arrays`` block as written; returns its namespace."""
-    text = README.read_text(encoding="utf-8")
+    """Runs the ``open_arrays`` block of docs/pages/generic-readers.md as written; returns its namespace."""
+    text = RECIPE_PAGE.read_text(encoding="utf-8")
     blocks = [b.split("\n", 1)[1] for b in text.split("```python")[1:]]
     (code,) = [b.split("```", 1)[0] for b in blocks if "def open_arrays(" in b]
     ns: dict = {}
-    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - the README's own snippet
+    exec(compile(code, str(RECIPE_PAGE), "exec"), ns)  # noqa: S102 - the docs page's own snippet
     return ns
 
 
