@@ -108,15 +108,15 @@ def test_documents_nested_deeper_than_102_levels_are_refused(saved, tmp_path, le
     if ok:
         assert read_all(path)["step"] == 7
     else:
-        with pytest.raises(errors.FormatError, match=f"nested {levels} levels deep"):
+        with pytest.raises(errors.FormatError, match=f"nested too deeply: {levels} levels"):
             zarrckpt.open(path)
 
 
 def test_nesting_is_counted_outside_strings():
     assert fmt.decode_document(b'{"a": "' + b"[" * 500 + b'"}', "x")["a"] == "[" * 500
-    with pytest.raises(errors.FormatError, match="nested 103 levels"):
+    with pytest.raises(errors.FormatError, match="nested too deeply: 103 levels"):
         fmt.decode_document(b"[" * 103 + b"]" * 103, "x")
-    with pytest.raises(errors.FormatError, match="levels deep"):
+    with pytest.raises(errors.FormatError, match="nested too deeply"):
         fmt.decode_document(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "x")
 
 

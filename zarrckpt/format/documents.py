@@ -231,8 +231,8 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
         raise FormatError(f"{where} is not UTF-8 ({e.reason} at byte {e.start})") from None
     depth = _nesting(data)
     if depth > MAX_NESTING:
-        raise FormatError(f"{where} is nested {depth} levels deep; a zarrckpt document has at most "
-                          f"{MAX_NESTING} (spec §3.2)")
+        raise FormatError(f"{where} is nested too deeply: {depth} levels; a zarrckpt document has "
+                          f"at most {MAX_NESTING} (spec §3.2)")
     try:
         doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
                          parse_int=_int, parse_float=_float)
@@ -247,8 +247,8 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
     if _SURROGATE_ESCAPE.search(text):
         bad = _lone_surrogate(doc)
         if bad is not None:
-            raise FormatError(f"{where}: the string {bad[:40]!r} holds a lone surrogate escape; every "
-                              "string of a document is Unicode scalar values (spec §3.2)")
+            raise FormatError(f"{where}: the string {bad[:40]!r} holds a lone surrogate escape: not valid "
+                              "Unicode (every string of a document is Unicode scalar values, spec §3.2)")
     return doc
 
 
