@@ -231,7 +231,7 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
         raise FormatError(f"{where} is not UTF-8 ({e.reason} at byte {e.start})") from None
     depth = _nesting(data)
     if depth > MAX_NESTING:
-        raise FormatError(f"{where} is nested too deeply: {depth} levels; a zarrckpt document has "
+        raise FormatError(f"{where} is nested too deeply: {depth} levels deep; a zarrckpt document has "
                           f"at most {MAX_NESTING} (spec §3.2)")
     try:
         doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
