@@ -189,3 +189,23 @@ def test_shared_reads_refuse_chunks_out_of_place(tmp_path, clusters):
     tcp._swap(path / "a" / "c" / "1" / "0", path / "b" / "c" / "1" / "0")
     out = clusters(2).run(w_shared_load, str(path))
     assert all(o.startswith("CorruptChunkError") and "position" in o and "c/1/0" in o for o in out), out
+
+
+def test_bool_bytes_other_than_0_and_1_are_refused():
+    """Spec §5.2 (settled in 1.3, B4 of the 1.2 reader review): shared reads decode chunks
+    themselves and refuse a bool byte other than 0 or 1, as the direct reader does."""
+    import crc32c
+    import numpy as np
+
+    from zarrckpt.api.shared_reads import decode
+    from zarrckpt.errors import CorruptChunkError
+    from zarrckpt.storage import ChunkCodec
+
+    codec = ChunkCodec((4,), (4,), (4,), False, np.dtype("bool"))
+    for body, ok in ((bytes([0, 1, 1, 0]), True), (bytes([0, 1, 2, 0]), False)):
+        raw = body + crc32c.crc32c(body).to_bytes(4, "little")
+        if ok:
+            assert decode(raw, codec, (0,), ((0, 4),), "c/0").tolist() == [False, True, True, False]
+        else:
+            with pytest.raises(CorruptChunkError, match=r"c/0: a bool element is stored as the byte 2"):
+                decode(raw, codec, (0,), ((0, 4),), "c/0")

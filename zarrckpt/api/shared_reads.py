@@ -268,7 +268,7 @@ def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, whe
         placed(mv[-4:], (0,) * len(index), where)
         tile = np.frombuffer(mv[:-4], np.uint8).view(codec.dtype).reshape(codec.chunk)
         out[...] = tile[tuple(slice(0, b - a) for a, b in cbox)]
-        return out
+        return _bools(out, where)
     n = codec.index_nbytes
     if len(mv) < n:
         raise CorruptChunkError(f"{where} is truncated: {len(mv)} bytes, the index alone is {n}")
@@ -285,6 +285,15 @@ def decode(raw: bytes, codec: ChunkCodec, index: tuple[int, ...], cbox: Box, whe
         tile = np.frombuffer(body, np.uint8).view(codec.dtype).reshape(codec.inner)
         out[tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(ibox, cbox))] = \
             tile[tuple(slice(0, b - a) for a, b in ibox)]
+    return _bools(out, where)
+
+
+def _bools(out: np.ndarray, where: str) -> np.ndarray:
+    """Spec §5.2: a bool element stored as a byte other than 0 or 1 is damage, even when its
+    CRC-32C holds (as the direct reader and TensorStore refuse it)."""
+    if out.dtype == np.bool_ and out.size and out.view(np.uint8).max() > 1:
+        raise CorruptChunkError(f"{where}: a bool element is stored as the byte "
+                                f"{int(out.view(np.uint8).max())}, not 0 or 1 (spec §5.2)")
     return out
 
 
