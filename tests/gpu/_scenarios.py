@@ -407,23 +407,14 @@ def fsdp_over_tp_strided(ctx: Ctx) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     base = ctx.dir("fsdp_tp")
     mesh2d = init_device_mesh("cuda", (ctx.world // 2, 2), mesh_dim_names=("dp", "tp"))
     state = _fsdp_tp(ctx, mesh2d)
     ctx.notes["placements"] = sorted({str(t.placements) for _, t in leaves(state)
                                       if isinstance(t, _dtensor_type())})
-    if ctx.world >= 4:
-        assert any("_StridedShard" in p for p in ctx.notes["placements"]), ctx.notes["placements"]
-    # and a _StridedShard built by hand on the 1-D mesh: rank r holds row blocks r and r + n
-    # of 2n blocks (as FSDP's dim-0 shard of a TP-sharded tensor lays out)
-    n, rows = ctx.world, 3
-    full = torch.arange(2 * n * rows * 5, dtype=torch.float32).reshape(2 * n * rows, 5).cuda()
-    mine = torch.cat([full[b * rows:(b + 1) * rows] for b in (ctx.rank, ctx.rank + n)])
-    state["strided"] = DTensor.from_local(mine, ctx.notes["mesh"], [_StridedShard(0, split_factor=2)],
-                                          run_check=False, shape=full.shape, stride=full.stride())
+    # FSDP2 over TP gives _StridedShard placements on (1, 2) and (2, 2) meshes alike (a lone
+    # _StridedShard built by hand on a 1-D mesh is refused by torch 2.11's DTensor itself)
+    assert any("_StridedShard" in p for p in ctx.notes["placements"]), ctx.notes["placements"]
     for i in range(3):
         train_step(state)
         async_and_check(state, f"{base}/a{i}")
