@@ -2,6 +2,7 @@
 # The GPU suite, in one command, on a machine with CUDA GPUs (CI has none):
 #
 #   bash tests/gpu/run.sh            # from the repository root
+#   ZARRCKPT_GPU_SCENARIOS=tiers_gpu_state,mixed_state_saves bash tests/gpu/run.sh   # a subset
 #
 # Installs what the machine lacks: the wheels in .whl/ when there are some (a machine with no
 # package index: fill .whl/ with ../shared/tools/device-wheels.sh first and carry it), else

@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLDS = [w for w in (1, 2, 4) if w <= GPUS] or [1]
 TIMEOUT_S = float(os.environ.get("ZARRCKPT_GPU_WORLD_TIMEOUT", "900"))
+# ZARRCKPT_GPU_SCENARIOS=a,b: run only these scenarios (a world runs every selected scenario
+# in one spawn, whatever pytest's -k selects); the others are reported skipped
+SELECTED = [n for n in os.environ.get("ZARRCKPT_GPU_SCENARIOS", "").split(",") if n]
 _outcomes: dict[int, dict] = {}
 
 
@@ -33,7 +36,7 @@ def _run_world(world: int) -> dict:
         return _outcomes[world]
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix=f"zarrckpt-gpu{world}-", dir=shm)
-    names = list(SCENARIOS)
+    names = [n for n in SCENARIOS if not SELECTED or n in SELECTED]
     from _runner import rank_main
 
     ctx = mp.get_context("spawn")
@@ -70,6 +73,8 @@ CASES = [pytest.param(w, n, id=f"{w}gpu-{n}") for w in WORLDS for n, (least, _) 
 
 @pytest.mark.parametrize("world,name", CASES)
 def test_gpu(world, name, record_property):
+    if SELECTED and name not in SELECTED:
+        pytest.skip(f"not in ZARRCKPT_GPU_SCENARIOS={','.join(SELECTED)}")
     out = _run_world(world)
     got = [r.get(name) for r in out["ranks"]]
     if any(g is None for g in got):
