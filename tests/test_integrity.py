@@ -529,3 +529,26 @@ def test_padding_index_entry_inside_its_shard_is_read(tmp_path):
     _set_index_entry(path / "edge_padding" / "c" / "1" / "0", 3, 0, 12)
     assert np.array_equal(zarrckpt.open(path).read("edge_padding"), want)
     assert np.array_equal(zarrckpt.load_state_dict(path, ["edge_padding"])["edge_padding"].numpy(), want)
+
+
+@pytest.mark.parametrize("entry,where", [(1, "outside"), (8, "over the index"), (1, "overflowing")])
+def test_padding_index_entry_outside_its_shard_is_refused_through_tensorstore(tmp_path, entry, where):
+    """The same rule on the TensorStore path (object stores, compressed arrays,
+    ``chunk_io="tensorstore"``), which checks only the entries it decodes: an edge shard's
+    index is read and its present padding entries checked (issue 28 item 11, reader rule A4);
+    one inside the shard still reads."""
+    ts_opts = zarrckpt.StorageOptions(chunk_io="tensorstore")
+    path = copy_of(EDGE, tmp_path / "c")
+    shard = path / "edge_padding" / "c" / "1" / "0"
+    end = shard.stat().st_size - (16 * 9 + 4)
+    want = zarrckpt.open(EDGE).read("edge_padding")
+    _set_index_entry(shard, 3, 0, 12)  # inside: read as saved
+    assert np.array_equal(zarrckpt.load_state_dict(path, ["edge_padding"], storage=ts_opts)["edge_padding"].numpy(),
+                          want)
+    off, nbytes = {"outside": (4096, 12), "over the index": (end - 4, 12), "overflowing": (2**64 - 2, 12)}[where]
+    _set_index_entry(shard, entry, off, nbytes)
+    match = r"array 'edge_padding': chunk c/1/0 inner chunk \[%d, 0\]: index entry .* outside" % entry
+    with pytest.raises(errors.CorruptChunkError, match=match):
+        zarrckpt.load_state_dict(path, ["edge_padding"], storage=ts_opts)
+    with pytest.raises(errors.CorruptChunkError, match=match):
+        zarrckpt.load({"edge_padding": torch.zeros(10, 2)}, path, strict=False, storage=ts_opts)

@@ -544,11 +544,14 @@ class TensorStoreArray(Array):
     ``crcs`` compute the same CRCs from the host data, beside the write."""
 
     def __init__(self, store: ts.TensorStore, key: str, metadata: dict[str, Any] | None = None,
-                 positions: np.ndarray | None = None) -> None:
+                 positions: np.ndarray | None = None, raw: ts.KvStore | None = None) -> None:
         self._ts = store
         self.key = key
         self._units = units_codec(metadata) if metadata is not None else None
         self._positions = positions
+        self._raw = raw  # the location's kvstore: the padding entries of edge shards (_edges)
+        self._edge_checks: dict[tuple[int, ...], cf.Future] = {}
+        self._edge_lock = threading.Lock()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -566,7 +569,72 @@ class TensorStoreArray(Array):
         crc = _pool(_CRC_THREADS).submit(lambda: crcs.__setitem__(..., unit_crcs(u, index, data)))
         return _Both(write, crc)
 
+    def _edges(self, box: Box | None) -> list[cf.Future]:
+        """Spec §5.5 (settled in 1.3): every present entry of a shard index lies inside the
+        shard, the entries of inner chunks wholly in the padding too. TensorStore checks the
+        entries it decodes; only an edge shard has padding inner chunks, whose entries it never
+        looks at. For each edge shard ``box`` touches, once per handle: a check (in a pool
+        thread) that reads its index (one ranged read) and, for each present padding entry,
+        the last byte its entry and the index would need (a ranged read that fails when the
+        entry reaches outside the shard's inner chunks). Writers store no padding inner chunk
+        (TensorStore) or store it inside the shard (zarrckpt's direct writer), so a
+        conforming checkpoint costs one small read per edge shard read."""
+        u = self._units
+        if self._raw is None or u is None or not u.sharded or not all(u.shape):
+            return []
+        box = box or tuple((0, s) for s in u.shape)
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, u.chunk)]
+        out = []
+        for k in np.ndindex(*[len(r) for r in ranges]):
+            index = tuple(r[i] for r, i in zip(ranges, k))
+            if u.present_shape(index) == u.grid:
+                continue  # not an edge shard: no padding inner chunk
+            with self._edge_lock:
+                f = self._edge_checks.get(index)
+                if f is None:
+                    f = self._edge_checks[index] = _pool(_CRC_THREADS).submit(self._check_edge, index)
+            out.append(f)
+        return out
+
+    def _check_edge(self, index: tuple[int, ...]) -> None:
+        u = self._units
+        key = f"{self.key}/{u.chunk_key(index)}"
+        where = f"array {self.key!r}: chunk {u.chunk_key(index)}"
+        n = u.index_nbytes
+        try:
+            r = self._raw.read(key, byte_range=slice(-n, None)).result()
+        except ValueError:
+            return  # absent or shorter than an index: TensorStore's own read reports it
+        if r.state != "value":
+            return
+        raw = bytes(r.value)
+        if len(raw) != n or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            return  # a damaged index: TensorStore's own read refuses it
+        table = np.frombuffer(raw[:-4], "<u8").reshape(u.count, 2)
+        present = u.present_shape(index)
+        for k in range(u.count):
+            off, nbytes = int(table[k, 0]), int(table[k, 1])
+            j = tuple(int(x) for x in np.unravel_index(k, u.grid))
+            if all(a < p for a, p in zip(j, present)) or (off == nbytes == 2**64 - 1):
+                continue  # a unit TensorStore decodes, or an absent padding unit
+            end = off + nbytes + n  # the entry and the index behind it must fit in the shard
+            fits = end <= 2**62
+            if fits:
+                try:
+                    self._raw.read(key, byte_range=slice(end - 1, end)).result()
+                except ValueError:
+                    fits = False
+            if not fits:
+                raise CorruptChunkError(f"{where} inner chunk {list(j)}: index entry ({off}, {nbytes}) does not fit "
+                                        "in the shard: it reaches outside its inner chunks (spec §5.5)")
+
     def _read_into(self, box: Box, out: np.ndarray) -> Any:
+        edges = self._edges(box)
+        if edges:
+            return _gated(self._read_into_checked(box, out), edges)
+        return self._read_into_checked(box, out)
+
+    def _read_into_checked(self, box: Box, out: np.ndarray) -> Any:
         if self._positions is None or not out.size:
             return ts.array(out, copy=False, write=True).write(self._region(box))
         u = self._units
@@ -615,10 +683,37 @@ class TensorStoreArray(Array):
                 raise misplaced(where, got, want)
 
     def _read(self, box: Box | None) -> ts.Future:
-        return self._region(box).read()
+        edges = self._edges(box)
+        read = self._region(box).read()
+        return _gated(read, edges) if edges else read
 
 
 _CRC_THREADS = max(os.cpu_count() or 1, 1)  # threads computing chunk CRCs beside TensorStore's I/O
+
+
+def _gated(main: Any, checks: list[cf.Future]) -> cf.Future:
+    """A future of ``main``'s result, done once ``main`` and every check are; the first
+    check's error wins over ``main``'s result."""
+    out: cf.Future = cf.Future()
+    left = [1 + len(checks)]
+    lock = threading.Lock()
+
+    def one(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            for c in checks:
+                c.result()
+            out.set_result(main.result())
+        except BaseException as e:  # noqa: BLE001 - handed to the future
+            out.set_exception(e)
+
+    main.add_done_callback(one)
+    for c in checks:
+        c.add_done_callback(one)
+    return out
 
 
 class _Both(cf.Future):
@@ -995,7 +1090,7 @@ class TensorStoreStorage(_base.Storage):
         local = self._local_array(key, metadata, positions)
         if local is not None:
             return _done(local)
-        return _Opened(self.open_tensorstore(key, metadata), key, metadata, positions)
+        return _Opened(self.open_tensorstore(key, metadata), key, metadata, positions, self._kvstore)
 
     def open_tensorstore(self, key: str, metadata: dict[str, Any]) -> ts.Future:
         """A future of the TensorStore handle of an array (lazy views: slicing, ``.read()``).
@@ -1012,11 +1107,12 @@ class _Opened:
     :class:`TensorStoreArray`."""
 
     def __init__(self, future: Any, key: str, metadata: dict[str, Any] | None = None,
-                 positions: np.ndarray | None = None) -> None:
-        self._f, self._key, self._metadata, self._positions = future, key, metadata, positions
+                 positions: np.ndarray | None = None, raw: ts.KvStore | None = None) -> None:
+        self._f, self._key, self._metadata, self._positions, self._raw = future, key, metadata, positions, raw
 
     def result(self, timeout: float | None = None) -> Array:
-        return TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions)
+        return TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions,
+                                self._raw)
 
 
 def _done(value: Any) -> cf.Future:
