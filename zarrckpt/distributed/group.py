@@ -155,11 +155,21 @@ class Group:
         same = [vals[1 + 2 * i] == -vals[2 + 2 * i] for i in range(len(hs))]
         return vals[0] == 0, same, vals[1 + 2 * len(hs):]
 
+    def _arrived(self, op: str) -> None:
+        """Before a blocking object collective (torch's gather_object / all_gather_object
+        cannot be polled): one all-reduce waited for as :meth:`_wait` does, so that a rank
+        whose peers will never arrive (one failed an earlier collective, or rank 0, the
+        store's host, died) fails at once instead of at the group's timeout; once every rank
+        has arrived, the collective itself only fails if one dies inside it."""
+        t = torch.zeros(1, dtype=torch.int32, device=self._device())
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg, async_op=True), op)
+
     @_collective("gather_object")
     def gather_to_root(self, obj: Any) -> list[Any] | None:
-        """Objects of all ranks on rank 0 (None elsewhere). Only used on slow paths."""
+        """Objects of all ranks on rank 0 (None elsewhere)."""
         if not self.active:
             return [obj]
+        self._arrived("gather_object")
         out = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
         return out
@@ -168,6 +178,7 @@ class Group:
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.active:
             return [obj]
+        self._arrived("all_gather_object")
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.pg)
         return out
