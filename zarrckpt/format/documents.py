@@ -769,6 +769,17 @@ class ArrayInfo:
     inner_chunk_shape: tuple[int, ...] | None = field(default=None)
 
 
+def _lists_the_arrays(member: dict, paths: set, where: str, name: str, each: str) -> None:
+    """IntegrityError unless the keys of ``member`` (a per-array member of ``digests``) are
+    exactly the arrays of the tree, naming up to five on either side."""
+    if set(member) != paths:
+        extra, missing = sorted(set(member) - paths), sorted(paths - set(member))
+        raise IntegrityError(
+            f"{where}: {name} does not list exactly the arrays of the tree"
+            + (f"; not in the tree: {extra[:5]}" if extra else "")
+            + (f"; without {each}: {missing[:5]}" if missing else ""))
+
+
 def _need(cond: bool, where: str, what: str) -> None:
     if not cond:
         raise FormatError(f"{where}: {what}")
@@ -884,12 +895,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     array_digests = None
     if digests is not None:
         array_digests = dict(digests["arrays"])
-        if set(array_digests) != paths:
-            extra, missing = sorted(set(array_digests) - paths), sorted(paths - set(array_digests))
-            raise IntegrityError(
-                f"{where}: digests.arrays does not list exactly the arrays of the tree"
-                + (f"; not in the tree: {extra[:5]}" if extra else "")
-                + (f"; without a digest: {missing[:5]}" if missing else ""))
+        _lists_the_arrays(array_digests, paths, where, "digests.arrays", "a digest")
     # consolidated metadata is used from 1.2 on, where the root digest covers it; an older
     # root's (added by a generic tool, say) is not the writer's and is ignored
     consolidated = (_parse_consolidated(doc.get("consolidated_metadata"), paths, minor, where)
@@ -902,12 +908,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         _need(isinstance(chunk_tables, dict) and all(isinstance(v, str) for v in chunk_tables.values()), where,
               f"a committed root of version {version} must record digests.chunks, an object of base64 "
               "strings (spec §6.6)")
-        if set(chunk_tables) != paths:
-            extra, missing = sorted(set(chunk_tables) - paths), sorted(paths - set(chunk_tables))
-            raise IntegrityError(
-                f"{where}: digests.chunks does not list exactly the arrays of the tree"
-                + (f"; not in the tree: {extra[:5]}" if extra else "")
-                + (f"; without a table: {missing[:5]}" if missing else ""))
+        _lists_the_arrays(chunk_tables, paths, where, "digests.chunks", "a table")
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
                     tuple(leaves), frozenset(paths), array_digests, metadata, consolidated, chunk_tables)
 
