@@ -122,6 +122,40 @@ class Group:
                     check_at = time.monotonic() + every
         work.wait()
 
+    def _wait_p2p(self, works: Sequence[Any], op: str) -> None:
+        """Wait for point-to-point works. NCCL's are waited for directly (``wait`` only
+        orders streams). gloo's never report completion before ``wait`` (measured), so they
+        cannot be polled as :meth:`_wait` polls: a helper thread waits for them while this
+        one checks every second (or size/256 s) whether another rank marked these ranks
+        broken or the store is gone, and then raises DistributedError at once. The
+        abandoned wait ends with the group (a peer's exit or the group's timeout); the ranks
+        are marked broken, so nothing of zarrckpt uses the group again, and the thread holds
+        the buffers, so nothing it still writes into is freed."""
+        if self.pg is not None and dist.get_backend(self.pg) == "nccl":
+            for w in works:
+                w.wait()
+            return
+        done, failed = threading.Event(), []
+
+        def wait_all() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait_all, name=f"zarrckpt-{op}-wait", daemon=True).start()
+        every = max(1.0, self.size / 256)
+        while not done.wait(every):
+            why = _broken_elsewhere(self)
+            if why is not None:
+                _mark_broken(self, why, publish=False)
+                raise DistributedError(f"{op} over {self.size} ranks abandoned on rank {self.rank}: {why}")
+        if failed:
+            raise failed[0]
+
     def _fail_if_broken(self, op: str) -> None:
         why = _broken.get(self.global_ranks())
         if why is not None:
@@ -194,8 +228,7 @@ class Group:
             return
         ops = [dist.P2POp(dist.isend, t, peer, group=self.pg) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, group=self.pg) for peer, t in recvs]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        self._wait_p2p(dist.batch_isend_irecv(ops), "batch_isend_irecv")
 
     @_collective("isend")
     def isend(self, t: torch.Tensor, peer: int, tag: int = 0) -> Any:
@@ -343,7 +376,9 @@ class _Pending:
 
     def wait(self) -> None:
         try:
-            self.work.wait()
+            self.group._wait_p2p([self.work], self.op)
+        except DistributedError:
+            raise
         except (RuntimeError, ValueError) as e:
             why = f"{self.op} over {self.group.size} ranks failed on rank {self.group.rank}: {e}"
             _mark_broken(self.group, why)
