@@ -14,6 +14,8 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _v11 import as_format_1_1, reseal_root
 
@@ -118,6 +120,25 @@ def test_nesting_is_counted_outside_strings():
         fmt.decode_document(b"[" * 103 + b"]" * 103, "x")
     with pytest.raises(errors.FormatError, match="nested too deeply"):
         fmt.decode_document(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "x")
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='{}[]"\\ab\n\u00e9'),
+    lambda c: st.lists(c) | st.dictionaries(st.text(alphabet='{}[]"\\a'), c), max_leaves=30)
+
+
+def _depth(v) -> int:
+    return 1 + max([_depth(x) for x in (v.values() if isinstance(v, dict) else v)], default=0) \
+        if isinstance(v, (dict, list)) else 0
+
+
+@settings(max_examples=500, deadline=None)
+@given(_JSON, st.booleans())
+def test_nesting_is_the_parsed_depth(value, ascii_only):
+    """The byte-level count (brackets, quotes, escapes) is the depth of the parsed value,
+    whatever strings hold brackets, quotes and backslashes."""
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert fmt._nesting(raw) == _depth(value)
 
 
 # ------------------------------------------------ A2: consolidated metadata closed (§6.7)

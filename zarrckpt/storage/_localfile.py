@@ -394,12 +394,17 @@ class LocalArray(Array):
         origin = tuple(a for a, _ in box)
         enc = c.inner_nbytes + 4
         present = c.present(index)
+        slot = {j: n for n, j in enumerate(present)}
+        pieces = list(_split(present, enc, PIECE_BYTES))
+        if len(pieces) == 1:  # a small chunk: one pool task creates, writes and closes it,
+            # so the caller's thread (which issues thousands of these) makes no system call
+            group = _Group(1)
+            self._pool.submit(group.run, lambda: self._write_whole(path, index, origin, data, present, slot, crcs))
+            return group.future
         try:
             self._create(path, len(present) * enc + c.index_nbytes)
         except OSError as e:  # reported through the future, like the writes' own errors
             return _failed(e)
-        slot = {j: n for n, j in enumerate(present)}
-        pieces = list(_split(present, enc, PIECE_BYTES))
 
         def finish() -> None:
             if self.fsync:
@@ -414,13 +419,36 @@ class LocalArray(Array):
             self._pool.submit(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
                                                                              slot, crcs))
         if c.sharded:
-            table = np.full((c.count, 2), _ABSENT, dtype="<u8")
-            for j, n in slot.items():
-                table[np.ravel_multi_index(j, c.grid)] = (n * enc, enc)
-            raw = table.tobytes()
-            index_bytes = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+            index_bytes = self._index_bytes(slot)
             self._pool.submit(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
         return group.future
+
+    def _index_bytes(self, slot: dict) -> bytes:
+        """The shard index of a chunk whose inner chunk ``j`` is the ``slot[j]``-th in the file."""
+        c = self.codec
+        enc = c.inner_nbytes + 4
+        table = np.full((c.count, 2), _ABSENT, dtype="<u8")
+        for j, n in slot.items():
+            table[np.ravel_multi_index(j, c.grid)] = (n * enc, enc)
+        raw = table.tobytes()
+        return raw + crc32c.crc32c(raw).to_bytes(4, "little")
+
+    def _write_whole(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
+                     present: list, slot: dict, crcs: np.ndarray | None) -> None:
+        """A whole chunk in one task: its file created at its final size, every inner chunk
+        and the index written, fsynced when asked."""
+        c = self.codec
+        enc = c.inner_nbytes + 4
+        self._create(path, len(present) * enc + c.index_nbytes)
+        self._write_inner(path, index, origin, data, present, slot, crcs)
+        if c.sharded:
+            self._pwrite(path, [self._index_bytes(slot)], len(present) * enc)
+        if self.fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _create(self, path: str, size: int) -> None:
         """A fresh chunk file of its final size (every task then writes its own byte range)."""
