@@ -408,19 +408,46 @@ class SaveRun:
                 ins.append((peer, flat[at:at + total[peer]]))
                 at += total[peer]
             self.g.exchange(out, ins)
-            host = flat.cpu().numpy()
-            at = 0
+            places, at = [], 0
             for peer, views in recvs.items():
-                for view, o in zip(views, _packed_offsets(v.nbytes for v in views)):
-                    view[...] = host[at + o:at + o + view.nbytes].view(view.dtype).reshape(view.shape)
+                places += [(view, at + o) for view, o in zip(views, _packed_offsets(v.nbytes for v in views))]
                 at += total[peer]
-        if self.fills:  # this rank's own pieces of chunks it assembles: one copy to the host
+            self._to_host(flat, places)
+        if self.fills:  # this rank's own pieces of chunks it assembles
             pieces = [t for _, t in self.fills]
-            host = _packed(pieces, device).cpu().numpy()
-            for (view, _), o in zip(self.fills, _packed_offsets(t.nbytes for t in pieces)):
-                view[...] = host[o:o + view.nbytes].view(view.dtype).reshape(view.shape)
+            offsets = _packed_offsets(t.numel() * t.element_size() for t in pieces)
+            self._to_host(_packed(pieces, device), [(view, o) for (view, _), o in zip(self.fills, offsets)])
         self.sends, self.recvs, self.fills = [], [], []
         self._timed("exchange", t0)
+
+    def _to_host(self, flat: torch.Tensor, places: list[tuple[np.ndarray, int]]) -> None:
+        """Copy the pieces of the flat byte buffer ``flat`` at their offsets into their host
+        ``views`` (ascending offsets). From a device: through the process's pinned streaming
+        arena (the one sync saves and loads reuse), a window of whole pieces at a time; one
+        pageable copy of the whole buffer ran at a fraction of the pinned copy's speed."""
+        def put(host: np.ndarray, base: int, part: list) -> None:
+            for view, o in part:
+                view[...] = host[o - base:o - base + view.nbytes].view(view.dtype).reshape(view.shape)
+
+        if flat.device.type != "cuda":
+            put(flat.numpy(), 0, places)
+            return
+        with streaming_arena(min(self.options.max_staging_bytes, flat.numel())) as arena:
+            buf = arena.raw()
+            host, cap, i = buf.numpy(), buf.numel(), 0
+            while i < len(places):
+                start, j = places[i][1], i
+                while j < len(places) and places[j][1] + places[j][0].nbytes - start <= cap:
+                    j += 1
+                if j == i:  # a piece bigger than the arena: a copy of its own
+                    view, o = places[i]
+                    put(flat[o:o + view.nbytes].cpu().numpy(), o, [places[i]])
+                    i += 1
+                    continue
+                end = places[j - 1][1] + places[j - 1][0].nbytes
+                buf[:end - start].copy_(flat[start:end])
+                put(host, start, places[i:j])
+                i = j
 
     def source_device(self) -> torch.device:
         """The device of this rank's tensors that take part in the exchange."""
