@@ -7,6 +7,7 @@ import filecmp
 import importlib.util
 import os
 import threading
+import time
 
 import crc32c
 import ml_dtypes
@@ -141,8 +142,9 @@ def test_a_shard_is_written_and_read_by_several_threads(tmp_path, monkeypatch):
     seen = set()
     orig = LocalArray._write_inner
 
-    def spy(self, *a):
+    def spy(self, *a):  # slow enough that the tasks overlap: one free thread cannot take them all
         seen.add(threading.get_ident())
+        time.sleep(0.02)
         return orig(self, *a)
     monkeypatch.setattr(LocalArray, "_write_inner", spy)
     write_all(tmp_path / "d", "x", md, data, DIRECT)
@@ -154,6 +156,7 @@ def test_a_shard_is_written_and_read_by_several_threads(tmp_path, monkeypatch):
 
     def spy_read(self, *a):
         seen.add(threading.get_ident())
+        time.sleep(0.02)
         return orig_read(self, *a)
     monkeypatch.setattr(LocalArray, "_read_units", spy_read)
     arr = open_storage(str(tmp_path / "d"), DIRECT).open_for_read("x", md).result()

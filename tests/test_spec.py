@@ -1017,3 +1017,22 @@ def test_spec_edge_shard_example_is_the_golden_file():
     data = (base / "c" / "3" / "0").read_bytes()
     entries = np.frombuffer(data[-52:-4], dtype="<u8").reshape(3, 2)
     assert (entries[1:] == 2**64 - 1).all() and entries[0, 1] == 12
+
+
+def test_content_hashes_are_in_the_schema(tmp_path):
+    """Spec §6.6.2: a root with ``digests.content`` (incremental saves) is valid; another
+    algorithm or a value that is not base64 is not."""
+    import torch
+
+    import zarrckpt
+
+    zarrckpt.save({"w": torch.ones(4, 8), "b": torch.zeros(3)}, tmp_path / "c", content_hashes=True)
+    root = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    content = root["attributes"]["zarrckpt"]["digests"]["content"]
+    assert content["algorithm"] == "xxh3-128" and set(content["chunks"]) == {"w", "b"}
+    assert_valid("rootDocument", root)
+    content["algorithm"] = "md5"
+    assert not is_valid("rootDocument", root)
+    content["algorithm"] = "xxh3-128"
+    content["chunks"]["w"] = "not base64!"
+    assert not is_valid("rootDocument", root)

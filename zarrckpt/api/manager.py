@@ -117,6 +117,12 @@ class CheckpointManager:
       no committed step, :meth:`restore` loads from that checkpoint (only
       ``state[model_key]`` by default) and returns 0.
     * ``load_only`` [same name]: ``save`` saves nothing.
+    * ``incremental=True``: every save records content hashes, and links from the newest
+      committed step below it (rank 0's listing, shared) every chunk file whose content did
+      not change (``save(incremental_from=...)``, spec §7.9): frozen parameters are written
+      once. Each step stays a complete checkpoint; retention deletes steps as usual (a
+      hard-linked file lives while any step holds it). Local and parallel file systems;
+      elsewhere (object stores, the node tiers of ``local_dir``) every chunk is written.
     * ``restore(..., cast=True)``: load checkpoints of other dtypes (a bf16 export into an
       fp32 model), and every other option of :func:`zarrckpt.load`.
 
@@ -132,7 +138,7 @@ class CheckpointManager:
                  initial_load_path: str | os.PathLike | None = None, initial_load_model_only: bool = True,
                  load_only: bool = False, local_dir: str | os.PathLike | None = None,
                  local_replicas: int = 1, persist_every: int | None = None, local_keep_last: int = 2,
-                 **save_options: Any) -> None:
+                 incremental: bool = False, **save_options: Any) -> None:
         _check_root(root, "root")
         if local_dir is not None:
             _check_root(local_dir, "local_dir")
@@ -170,6 +176,9 @@ class CheckpointManager:
         self.process_group = process_group
         self.async_save = async_save
         self.save_options = save_options
+        if not isinstance(incremental, bool):
+            raise ValueError(f"incremental must be True or False, not {incremental!r}")
+        self.incremental = incremental
         self.save_interval, self.save_first_step = save_interval, bool(save_first_step)
         self.last_save_model_only, self.export_dtype, self.model_key = bool(last_save_model_only), export_dtype, model_key
         self.initial_load_path, self.initial_load_model_only = initial_load_path, bool(initial_load_model_only)
@@ -289,6 +298,12 @@ class CheckpointManager:
             meta = {"step": step, "metrics": dict(metrics or {})}
             kwargs = dict(self.save_options, process_group=self.process_group, overwrite=overwrite,
                           metadata=meta)
+            if self.incremental:
+                kwargs["content_hashes"] = True
+                prev = self._decide("CheckpointManager.save", lambda: 1 + max(
+                    [s for s in self.steps() if s < step], default=-1))
+                if prev:
+                    kwargs["incremental_from"] = self.storage.child(fmt.step_name(prev - 1)).url
             path = self.storage.child(fmt.step_name(step))
             if self.async_save:
                 from .async_save import async_save

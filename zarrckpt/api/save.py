@@ -41,6 +41,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -55,6 +56,8 @@ from ..engine import commit as _commit
 from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
+from ..readers.previous import Previous
+from ..storage import content as chunk_content
 from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, local_view, pack_bytes, plan_state,
                              resolve_reusing, restrict_to_holders, with_save_id, with_source)
 from ..planning.state import is_array_leaf, resolve_stateful
@@ -105,6 +108,15 @@ class SaveOptions:
         device ones to the host). Without it, a plain leaf is taken to be the same on every
         rank that holds it and one of them writes it; ranks whose plain leaves of one key
         differ in shape or dtype are always refused.
+    incremental_from: a committed checkpoint (path) on the same local or parallel file
+        system: every chunk whose array metadata, content hash and unit CRC-32Cs equal that
+        checkpoint's is hard-linked from it instead of written (spec §7.9; the new
+        checkpoint is complete and plain, deleting the other never breaks it). Implies
+        ``content_hashes``. Where nothing can be linked (another file system, an object
+        store, a root without content hashes) every chunk is written, with a warning.
+    content_hashes: record the content hash of every chunk in the root (spec §6.6.2), so
+        that a later save can be incremental from this one (costs one more pass over the
+        data, in the writer threads; ``CheckpointManager(incremental=True)`` sets it).
     progress: a ``callable(phase, done_bytes, total_bytes)`` told this rank's progress
         (phase ``"write"``: chunk bytes handed to storage, then ``"commit"`` once; see
         ``api/_progress.py``), from the thread that writes (the caller's for ``save``, the
@@ -127,6 +139,8 @@ class SaveOptions:
     entry_timeout: float | None = None
     check_replicas: bool = False
     progress: Any = None
+    incremental_from: Any = None
+    content_hashes: bool = False
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> SaveOptions:
@@ -152,6 +166,10 @@ class SaveOptions:
         if not (opts.progress is None or isinstance(opts.progress, bool) or callable(opts.progress)):
             raise ValueError(f"progress must be a callable(phase, done_bytes, total_bytes), True or None, "
                              f"not {opts.progress!r}")
+        if not isinstance(opts.content_hashes, bool):
+            raise ValueError(f"content_hashes must be True or False, not {opts.content_hashes!r}")
+        if opts.incremental_from is not None and not isinstance(opts.incremental_from, (str, os.PathLike)):
+            raise ValueError(f"incremental_from must be a checkpoint path, not {opts.incremental_from!r}")
         if not isinstance(opts.check_replicas, bool):
             raise ValueError(f"check_replicas must be True or False, not {opts.check_replicas!r}")
         if opts.entry_timeout is not None and not (
@@ -212,6 +230,7 @@ class SaveRun:
         self.replica_crcs: dict[str, int] | None = None  # check_replicas, async: taken at the call
         self.timings: dict[str, float] = {}
         self.bytes_written = 0
+        self.bytes_linked = 0  # chunk file bytes linked from incremental_from instead of written
         self.bytes_staged = 0
         self.progress = _progress.resolve(options.progress, what, self.g.rank)  # tqdm imported here
 
@@ -353,13 +372,14 @@ class SaveRun:
                                    error=error)
         self._timed("prepare", t0)
 
-    def _root(self, state: str, chunk_crcs: dict | None = None) -> dict:
+    def _root(self, state: str, chunk_crcs: dict | None = None, content_hashes: dict | None = None) -> dict:
         return fmt.root_metadata(
             state=state, save_id=self.save_id, world_size=self.g.size, created=self.created,
             writer=fmt.writer_versions(), tree=self.tree if state == "committed" else None,
             array_docs=self.all_docs if state == "committed" else None,
             **({"metadata": self.metadata} if self.metadata is not None else {}),
             chunk_crcs=chunk_crcs,  # spec §6.6 (1.3): every rank's chunk CRCs, gathered at C2
+            content_hashes=content_hashes,  # spec §6.6.2: incremental and hash-recording saves
         )
 
     def _plan_exchange(self) -> None:
@@ -630,9 +650,13 @@ class SaveRun:
                              if p.coord is not None and p.layout.metadata_writer() == p.coord}
                 arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
                 self.chunk_crcs = {}  # spec §6.6: this rank's chunk CRCs, for the root (finish)
+                self.content = self._content()
+                linked = chunk_content.counters()["bytes_linked"]
                 self.bytes_written += engine.write_arrays(
                     self.store, documents, arrays, self.options.max_inflight_bytes, self.chunk_crcs,
-                    None if self.progress is None else functools.partial(self.progress, "write"))
+                    None if self.progress is None else functools.partial(self.progress, "write"),
+                    content=self.content)
+                self.bytes_linked += chunk_content.counters()["bytes_linked"] - linked
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         finally:
@@ -640,6 +664,15 @@ class SaveRun:
             self.staged.clear()
         self._timed("write", t0)
         return error
+
+    def _content(self) -> engine.Content | None:
+        """Incremental saves (``incremental_from``) and saves that record content hashes
+        (``content_hashes``): what the writes record and may link (storage/content.py, readers/previous.py)."""
+        o = self.options
+        if o.incremental_from is None and not o.content_hashes:
+            return None
+        previous = Previous.open(o.incremental_from) if o.incremental_from is not None else None
+        return engine.Content(previous)
 
     def _arena(self, streaming: bool) -> Any:
         """Sync saves of device data: the process's streaming arena (reused by every save
@@ -688,8 +721,9 @@ class SaveRun:
     def finish(self, error: BaseException | None, g: zdist.Group) -> None:
         """C2 (all data durable), the commit, C3; over group ``g`` (engine.finish)."""
         t0 = time.perf_counter()
+        content = getattr(self, "content", None)
         engine.finish(g, self.url, self.target, error, functools.partial(self._root, "committed"),
-                      crcs=getattr(self, "chunk_crcs", None))
+                      crcs=getattr(self, "chunk_crcs", None), hashes=None if content is None else content.hashes)
         self._timed("commit", t0)
         if self.progress is not None:
             self.progress("commit", self.bytes_written, self.bytes_written)
@@ -705,7 +739,8 @@ class SaveRun:
             "rank": self.g.rank,
             "save_id": self.save_id,
             "arrays": len(self.arrays),
-            "bytes_written": self.bytes_written,
+            "bytes_written": self.bytes_written - self.bytes_linked,
+            "bytes_linked": self.bytes_linked,
             "bytes_staged": self.bytes_staged,
             "seconds": {**self.timings, "total": sum(self.timings.values())},
         }

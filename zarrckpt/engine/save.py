@@ -62,6 +62,7 @@ from ..storage.inflight import InFlight
 from ..errors import SaveFailedError, ZarrckptError
 from ..format.layout import slices
 from ..storage import Storage, plain_body, translate_error
+from ..storage import content as _content
 
 __all__ = ["ArrayWrite", "ChunkWrite", "ChunkWriter", "Group", "OneProcess", "SMALL_CHUNK_BYTES", "abandon",
            "begin", "fast_chunk_shape", "finish", "merge_crcs", "new_identity", "pack_crcs", "unpack_crcs",
@@ -174,8 +175,12 @@ class ChunkWriter:
     BATCH_BYTES = 4 << 20
 
     def __init__(self, store: Storage, max_inflight_bytes: int,
-                 crcs: dict[str, dict[tuple[int, ...], np.ndarray]] | None = None) -> None:
+                 crcs: dict[str, dict[tuple[int, ...], np.ndarray]] | None = None,
+                 content: Content | None = None) -> None:
         self.store = store
+        # incremental saves (storage/content.py, readers/previous.py): the content hashes this rank computes, and
+        # the previous checkpoint whose unchanged chunk files it links
+        self.content = content
         self.bytes_written = 0
         # spec §6.6 (format 1.3): key -> chunk index -> the CRC-32C of each of the chunk's
         # units, filled in by the writes (computed where each write computes its CRCs)
@@ -239,6 +244,8 @@ class ChunkWriter:
                             zip(box, document["chunk_grid"]["configuration"]["chunk_shape"], units))
             slot = self.crcs.setdefault(key, {})[index] = np.zeros(present, np.uint32)
         if self.is_fast(key, document, data.shape):
+            if self.content is not None:  # small chunks are written, never linked: cheaper
+                self.content.hashes.setdefault(key, {})[index] = _content.chunk_hash([plain_body(data)])
             if self._batch is not None:
                 self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True if slot is None else slot)
                 self.bytes_written += data.nbytes
@@ -248,7 +255,11 @@ class ChunkWriter:
                 slot[...] = crc = crc32c.crc32c(plain_body(data))
             future = self.store.write_plain_chunk(key, index, data, crc)
         else:
-            future = self._array(key, document).write(box, data, stable=True, crcs=slot)
+            array = self._array(key, document)
+            if self.content is not None and array.links_chunks:
+                future = array.write(box, data, stable=True, crcs=slot, content=self.content.of(key, document))
+            else:
+                future = array.write(box, data, stable=True, crcs=slot)
         self.bytes_written += data.nbytes
         self._pending.add(key, future, data.nbytes)
 
@@ -288,9 +299,37 @@ class ChunkWriter:
             self.store.close()
 
 
+class Content:
+    """An incremental or hash-recording save's side of :class:`ChunkWriter`: the content
+    hash of every chunk this rank writes (key -> chunk index -> 16 bytes, spec §6.6.2) and
+    the previous checkpoint to link unchanged chunk files from (``previous.array(key,
+    document)`` -> a ``storage.content.PreviousArray`` or None; ``previous`` None: record
+    only; see ``readers/previous.py``)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.hashes: dict[str, dict[tuple[int, ...], bytes]] = {}
+        self._arrays: dict[str, Any] = {}
+
+    def of(self, key: str, document: Mapping[str, Any]) -> Any:
+        rec = self._arrays.get(key)
+        if rec is None:
+            prev = self.previous.array(key, dict(document)) if self.previous is not None else None
+            rec = self._arrays[key] = _ArrayContent(prev, self.hashes.setdefault(key, {}))
+        return rec
+
+
+class _ArrayContent:
+    __slots__ = ("previous", "hashes")
+
+    def __init__(self, previous: Any, hashes: dict) -> None:
+        self.previous = previous
+        self.hashes = hashes
+
+
 def write_arrays(store: Storage, documents: Mapping[str, Mapping[str, Any]], arrays: Sequence[ArrayWrite],
                  max_inflight_bytes: int, crcs: dict | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> int:
+                 progress: Callable[[int, int], None] | None = None, content: Content | None = None) -> int:
     """Every rank, between C1 and C2: write the array ``documents`` (key -> ``zarr.json``)
     this rank writes, then the chunks of ``arrays`` in order; wait for all, then one
     syncfs. Returns the bytes of chunk data written. A failure is raised after every
@@ -300,7 +339,7 @@ def write_arrays(store: Storage, documents: Mapping[str, Mapping[str, Any]], arr
     rank's chunk bytes) before the first chunk and after each (issued bytes run at most
     ``max_inflight_bytes`` ahead of completed ones), and once more when all are durable;
     None: no per-chunk work at all."""
-    with ChunkWriter(store, max_inflight_bytes, crcs) as out:
+    with ChunkWriter(store, max_inflight_bytes, crcs, content) as out:
         for key, doc in documents.items():
             out.document(key, doc)
         for a in arrays:  # open every array that needs TensorStore at once
@@ -375,7 +414,8 @@ def begin(group: Group, location: Storage, save_id: str, overwrite: bool, pendin
 
 
 def finish(group: Group, url: str, target: _commit.Target | None, error: BaseException | None,
-           committed_root: Callable[..., dict], crcs: dict | None = None) -> None:
+           committed_root: Callable[..., dict], crcs: dict | None = None,
+           hashes: dict | None = None) -> None:
     """C2 (``error``: this rank's write failure, None if its data is durable); rank 0
     commits ``committed_root()`` (``_commit.publish``); C3. The caller abandons the save
     if this raises.
@@ -384,34 +424,44 @@ def finish(group: Group, url: str, target: _commit.Target | None, error: BaseExc
     (one gather of small lists: 4 bytes per unit written, ~40 per chunk, and the keys) and
     rank 0 commits ``committed_root(chunk_crcs=every rank's)``, a root of format 1.3 with the
     table of chunk positions (spec §6.6). A group that cannot gather (no ``gather_to_root``)
-    commits ``committed_root()``, a 1.2 root."""
+    commits ``committed_root()``, a 1.2 root.
+
+    ``hashes`` (saves that record content hashes, spec §6.6.2): this rank's chunk content
+    hashes, gathered with the CRCs (16 bytes per chunk written) and committed as
+    ``committed_root(content_hashes=)``."""
     group.agree(error, f"writing the save to {url!r}", SaveFailedError)
     error = None
-    gathered = _gather_crcs(group, crcs) if crcs is not None else None
+    gathered = _gather_crcs(group, crcs, hashes) if crcs is not None else None
     if group.rank == 0:
         try:
             if gathered is not None:
-                committed_root = functools.partial(committed_root, chunk_crcs=merge_crcs(gathered))
+                extra = {}
+                if hashes is not None:
+                    extra["content_hashes"] = merge_crcs([h for _, h in gathered])
+                    gathered = [c for c, _ in gathered]
+                committed_root = functools.partial(committed_root, chunk_crcs=merge_crcs(gathered), **extra)
             _commit.publish(target, committed_root())
         except BaseException as e:  # noqa: BLE001 - reported to every rank at C3
             error = e
     group.agree(error, f"committing the save to {url!r}", SaveFailedError)
 
 
-def _gather_crcs(group: Group, crcs: dict) -> list | None:
+def _gather_crcs(group: Group, crcs: dict, hashes: dict | None = None) -> list | None:
     """Every rank's CRC-32Cs on rank 0 (a list per rank; None elsewhere, and None on every
     rank of a group that cannot gather). Each rank sends ``{key: [(chunk index, shape,
     uint32 bytes)]}``: the bytes per rank are 4 per unit it wrote plus ~40 per chunk and
     its array keys (a 70B model at 1,024 ranks: ~3 KB of CRCs per rank, 3.2 MB on rank 0)."""
     if group.size == 1:
-        return [crcs]
+        return [crcs if hashes is None else (crcs, hashes)]
     gather = getattr(group, "gather_to_root", None)
     if gather is None:
         return None
-    views = gather(pack_crcs(crcs))
+    views = gather(pack_crcs(crcs) if hashes is None else (pack_crcs(crcs), hashes))
     if views is None:
         return None
-    return [unpack_crcs(view) for view in views]
+    if hashes is None:
+        return [unpack_crcs(view) for view in views]
+    return [(unpack_crcs(c), h) for c, h in views]
 
 
 def pack_crcs(crcs: dict) -> dict:

@@ -452,6 +452,27 @@ def chunk_table(doc: Mapping[str, Any], chunks: Mapping[tuple[int, ...], np.ndar
     return base64.b64encode(table.tobytes()).decode("ascii")
 
 
+CONTENT_ALGORITHM = "xxh3-128"  # digests.content (spec §6.6.2)
+
+
+def chunk_grid_shape(doc: Mapping[str, Any]) -> tuple[int, ...]:
+    """Chunks per dimension of an array's regular chunk grid (spec §5.3)."""
+    return tuple(-(-s // c) for s, c in zip(doc["shape"], doc["chunk_grid"]["configuration"]["chunk_shape"]))
+
+
+def content_table(doc: Mapping[str, Any], hashes: Mapping[tuple[int, ...], bytes]) -> str | None:
+    """Writers: ``digests.content.chunks[path]`` (spec §6.6.2), the 16-byte content hash of
+    every chunk of the chunk grid in C order, base64; None when a chunk has none (written
+    where hashes are not computed: the array is left out of the member)."""
+    out = bytearray()
+    for index in np.ndindex(*chunk_grid_shape(doc)):
+        h = hashes.get(tuple(int(i) for i in index))
+        if h is None:
+            return None
+        out += h
+    return base64.b64encode(bytes(out)).decode("ascii")
+
+
 def parse_chunk_table(text: Any, doc: Mapping[str, Any], key: str) -> np.ndarray:
     """Readers: the table of positions of one array (spec §6.6) as a flat uint32 array in
     C order of its unit grid, checked: a base64 string (RFC 4648, padded, no line breaks)
@@ -651,6 +672,7 @@ def root_metadata(
     array_docs: Mapping[str, Mapping[str, Any]] | None = None,
     metadata: Mapping[str, Any] | None = None,
     chunk_crcs: Mapping[str, Mapping[tuple[int, ...], np.ndarray]] | None = None,
+    content_hashes: Mapping[str, Mapping[tuple[int, ...], bytes]] | None = None,
 ) -> dict[str, Any]:
     """The root ``zarr.json`` document (spec §6.1), pending or committed.
 
@@ -705,6 +727,11 @@ def root_metadata(
     else:
         attrs["digests"]["chunks"] = {path: chunk_table(array_docs[path], chunk_crcs.get(path, {}), path)
                                       for path in sorted(array_docs)}
+        if content_hashes is not None:  # spec §6.6.2: only arrays with a hash for every chunk
+            tables = {path: content_table(array_docs[path], content_hashes.get(path, {}))
+                      for path in sorted(array_docs)}
+            attrs["digests"]["content"] = {"algorithm": CONTENT_ALGORITHM,
+                                           "chunks": {p: t for p, t in tables.items() if t is not None}}
     doc = group_metadata(attrs)
     doc["consolidated_metadata"] = consolidated_metadata(array_docs)
     attrs["digests"]["root"] = sha256_hex(encode_document(doc))

@@ -83,13 +83,15 @@ class Array(abc.ABC):
     # on file systems: it checks that each chunk file it opens is a regular file (spec §3.2),
     # so readers need not check the array's files before reading it
     checks_files: bool = False
+    links_chunks: bool = False  # write(content=...) supported: incremental saves (storage/content.py, readers/previous.py)
 
     @property
     @abc.abstractmethod
     def shape(self) -> tuple[int, ...]:
         """The array's shape."""
 
-    def write(self, box: Box, data: np.ndarray, *, stable: bool = True, crcs: np.ndarray | None = None) -> Any:
+    def write(self, box: Box, data: np.ndarray, *, stable: bool = True, crcs: np.ndarray | None = None,
+              content: Any = None) -> Any:
         """Write ``data`` (the box's shape, the array's dtype, any strides) into ``box``.
         The engine writes whole chunks (or shards), each once per save. ``stable``: the
         caller keeps ``data`` unchanged until the future completes, so the store may read it
@@ -97,7 +99,11 @@ class Array(abc.ABC):
         :meth:`Storage.flush`. ``crcs`` (whole chunks only): a ``uint32`` array of the
         chunk's units that overlap the array (spec §6.6: its inner chunks, or the chunk),
         which receives, before the future completes, the CRC-32C of each unit's decoded
-        bytes (padding included): what the root records for their positions."""
+        bytes (padding included): what the root records for their positions. ``content``
+        (only where :attr:`links_chunks`): an incremental save's record (``hashes``: chunk
+        index -> content hash, filled in; ``previous``: a ``storage.content.PreviousArray`` or None)."""
+        if content is not None:
+            return self._write(box, data, stable, crcs, content=content)
         return self._write(box, data, stable, crcs)
 
     def read_into(self, box: Box, out: np.ndarray) -> Any:
