@@ -301,6 +301,45 @@ def sync_saves_fsdp2_adamw(ctx: Ctx) -> None:
 
 
 @scenario()
+def incremental_saves_gpu(ctx: Ctx) -> None:
+    """Incremental saves of a GPU state (issue 31): frozen layers linked from the previous
+    step, the rest written; sync and async, grouped chunks and one chunk per shard; every
+    step checked after the steps it links from are deleted."""
+    base = ctx.dir("incremental")
+    state = fsdp2_adamw(ctx)
+    frozen = [k for k, _ in leaves(state["model"]) if k.startswith("0.")]  # layer 0 is frozen
+
+    def step() -> None:  # every value changes except layer 0's parameters
+        keep = {k: loc(t).clone() for k, t in leaves(state["model"]) if k in frozen}
+        train_step(state)
+        with torch.no_grad():
+            for k, t in leaves(state["model"]):
+                if k in keep:
+                    loc(t).copy_(keep[k])
+        torch.cuda.synchronize()
+
+    for grouped in (None, 256 << 20):
+        kw = {"chunk_target_bytes": grouped}
+        sync_and_check(state, f"{base}/{grouped}/a", content_hashes=True, **kw)
+        step()
+        rep = sync_and_check(state, f"{base}/{grouped}/b", incremental_from=f"{base}/{grouped}/a", **kw)
+        step()
+        rep2 = async_and_check(state, f"{base}/{grouped}/c", incremental_from=f"{base}/{grouped}/b", **kw)
+        zarrckpt.wait_for_saves()
+        linked = torch.tensor([rep["bytes_linked"], rep2["bytes_linked"]], device="cuda")
+        dist.all_reduce(linked)
+        if linked[0] <= 0 or linked[1] <= 0:
+            raise AssertionError(f"incremental saves linked nothing: {linked.tolist()}")
+        dist.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(f"{base}/{grouped}/a")
+            shutil.rmtree(f"{base}/{grouped}/b")
+        dist.barrier()
+        ref = snapshot(state)
+        check_checkpoint(state, f"{base}/{grouped}/c", ref)
+
+
+@scenario()
 def mixed_state_saves(ctx: Ctx) -> None:
     base = ctx.dir("mixed")
     state = mixed_state(ctx)
