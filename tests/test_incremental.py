@@ -29,6 +29,9 @@ def _state(seed: int = 0) -> dict:
             "bias": torch.randn(7, generator=g), "step": 1}
 
 
+FROZEN = 9 * 256 * 1024 * 4 + 7 * 4  # the frozen matrices and the bias: every leaf but the adapter
+
+
 def _zeros(sd: dict) -> dict:
     return {k: _zeros(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
             for k, v in sd.items()}
@@ -77,12 +80,12 @@ def test_unchanged_chunks_are_linked_and_each_step_stands_alone(tmp_path):
     sd["step"] = 2
     rep = zarrckpt.save(sd, b, incremental_from=a)
     # 90 % of the bytes are frozen: at most 12 % of a full save's bytes are written (issue 31)
-    assert rep["bytes_linked"] == 9 * 256 * 1024 * 4
+    assert rep["bytes_linked"] == FROZEN
     assert rep["bytes_written"] <= 0.12 * full["bytes_written"], (rep, full)
     fa, fb = _chunk_files(a), _chunk_files(b)
     assert fa.keys() == fb.keys()
     shared = {k for k in fb if fb[k].st_ino == fa[k].st_ino}
-    assert shared == {k for k in fb if k.startswith("frozen/")}, shared
+    assert shared == {k for k in fb if k.startswith(("frozen/", "bias/"))}, shared
     assert all(fb[k].st_nlink == 2 for k in shared)
     shutil.rmtree(a)  # deleting the other step never breaks this one
     assert _equal(_loaded(b), sd)
@@ -114,7 +117,7 @@ def test_a_colliding_hash_never_links_different_bytes(tmp_path, monkeypatch):
     zarrckpt.save(sd, tmp_path / "a", content_hashes=True)
     sd["adapter"]["a"] += 1
     rep = zarrckpt.save(sd, tmp_path / "b", incremental_from=tmp_path / "a")
-    assert rep["bytes_linked"] == 9 * 256 * 1024 * 4  # the frozen ones only
+    assert rep["bytes_linked"] == FROZEN  # the unchanged ones only
     shutil.rmtree(tmp_path / "a")
     assert _equal(_loaded(tmp_path / "b"), sd)
 
@@ -228,7 +231,7 @@ def test_async_save_is_incremental_too(tmp_path):
     expect["adapter"]["a"] += 1
     sd["adapter"]["a"] += 100  # may change now
     rep = fut.result()
-    assert rep["bytes_linked"] == 9 * 256 * 1024 * 4
+    assert rep["bytes_linked"] == FROZEN
     shutil.rmtree(tmp_path / "a")
     assert _equal(_loaded(tmp_path / "b"), expect)
 
@@ -302,3 +305,33 @@ def test_two_ranks_link_their_own_chunks(tmp_path, clusters):
     assert all(r["ok"] for r in res)
     # 5 of 6 arrays unchanged; each rank writes and links its own shards' chunks
     assert all(r["linked"] == 5 * 32 * 4096 * 4 for r in res), res
+
+
+def test_small_chunks_are_linked_too(tmp_path):
+    """Chunks of at most 1 MiB take the small-file path (batched writes): linked as well,
+    after the writer compares the CRC-32C (spec §7.9 checks 3 and 4)."""
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w{i}": torch.randn(64, 256, generator=g) for i in range(10)}  # 64 KiB each
+    zarrckpt.save(sd, tmp_path / "a", content_hashes=True)
+    sd["w0"] += 1
+    rep = zarrckpt.save(sd, tmp_path / "b", incremental_from=tmp_path / "a")
+    assert rep["bytes_linked"] == 9 * 64 * 256 * 4, rep
+    fa, fb = _chunk_files(tmp_path / "a"), _chunk_files(tmp_path / "b")
+    assert {k for k in fb if fb[k].st_ino == fa[k].st_ino} == {k for k in fb if not k.startswith("w0/")}
+    shutil.rmtree(tmp_path / "a")
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    zarrckpt.load(out, tmp_path / "b")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_small_chunks_with_a_colliding_hash_are_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(reuse, "chunk_hash", lambda bodies: [None for _ in bodies] and b"\x00" * 16)
+    sd = {f"w{i}": torch.full((64, 256), float(i)) for i in range(3)}
+    zarrckpt.save(sd, tmp_path / "a", content_hashes=True)
+    sd["w1"] += 1
+    rep = zarrckpt.save(sd, tmp_path / "b", incremental_from=tmp_path / "a")
+    assert rep["bytes_linked"] == 2 * 64 * 256 * 4
+    shutil.rmtree(tmp_path / "a")
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    zarrckpt.load(out, tmp_path / "b")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -207,10 +207,11 @@ class ChunkWriter:
         else:
             self._pending.add(key, self.store.put(f"{key}/zarr.json", data), 0)
 
-    def _later(self, path: str, key: str, body: Any, crc: bool) -> None:
+    def _later(self, path: str, key: str, body: Any, crc: Any, link: tuple | None = None) -> None:
         """Queue one small object for the next batch of local file writes (its bytes must
-        not change until written), sending the batch when it is full."""
-        self._batch.append((path, key, body, crc))
+        not change until written), sending the batch when it is full. ``link``: see
+        ``_put_files`` (incremental saves)."""
+        self._batch.append((path, key, body, crc) if link is None else (path, key, body, crc, link))
         self._batch_bytes += len(body)
         if len(self._batch) >= self.BATCH_FILES or self._batch_bytes >= self.BATCH_BYTES:
             self._send()
@@ -244,10 +245,15 @@ class ChunkWriter:
                             zip(box, document["chunk_grid"]["configuration"]["chunk_shape"], units))
             slot = self.crcs.setdefault(key, {})[index] = np.zeros(present, np.uint32)
         if self.is_fast(key, document, data.shape):
-            if self.content is not None:  # small chunks are written, never linked: cheaper
-                self.content.hashes.setdefault(key, {})[index] = _content.chunk_hash([plain_body(data)])
+            link = None
+            if self.content is not None:  # spec §6.6.2; linked where §7.9 allows (checked in the writer)
+                rec = self.content.of(key, document)
+                digest = rec.hashes[index] = _content.chunk_hash([plain_body(data)])
+                if rec.previous is not None and self._batch is not None and slot is not None:
+                    link = rec.previous.plain_link(index, digest)
             if self._batch is not None:
-                self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True if slot is None else slot)
+                self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True if slot is None else slot,
+                            link)
                 self.bytes_written += data.nbytes
                 return
             crc = None

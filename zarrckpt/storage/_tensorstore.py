@@ -24,6 +24,7 @@ import tensorstore as ts
 
 from ._localfile import LocalArray, _pool, _pwritev_all, _sub, _unit_crc, chunk_codec, misplaced, unit_crcs, units_codec
 from ._localfile import counters as _direct_counters
+from . import content as _content
 from . import base as _base
 from .base import Array, Box
 from ..errors import CheckpointNotFoundError, CorruptChunkError, StorageError, ZarrckptError
@@ -474,11 +475,16 @@ def _fsync_dir(path: str) -> None:
 
 def _put_file(path: str, data: Any, fsync: bool) -> None:
     """Write one small object's file: ``data`` is its bytes or a list of buffers."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    # created anew, never truncated: a file that exists may be a hard link into another
+    # checkpoint (incremental saves, spec §7.9)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o666)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, flags, 0o666)
+    except FileExistsError:
+        os.unlink(path)
         fd = os.open(path, flags, 0o666)
     try:
         bufs = [b for b in (data if isinstance(data, list) else [data]) if memoryview(b).nbytes]
@@ -490,15 +496,27 @@ def _put_file(path: str, data: Any, fsync: bool) -> None:
         os.close(fd)
 
 
-def _put_files(root: str, items: list[tuple[str, str, Any, Any]], fsync: bool) -> None:
-    """Write small objects: ``(key, array key, body, crc)``, ``crc`` False (the body alone),
-    True (the body and its CRC-32C) or a one-element ``uint32`` array (the same, and the
-    CRC-32C is stored there: spec §6.6's table of positions)."""
-    for key, array_key, body, crc in items:
+def _put_files(root: str, items: list[tuple], fsync: bool) -> None:
+    """Write small objects: ``(key, array key, body, crc[, link])``, ``crc`` False (the body
+    alone), True (the body and its CRC-32C) or a one-element ``uint32`` array (the same, and
+    the CRC-32C is stored there: spec §6.6's table of positions). ``link`` (incremental
+    saves, spec §7.9): ``(source path, its unit CRC-32C)`` of a previous checkpoint's chunk
+    whose content hash equals this one's: hard-linked instead of written when the CRC-32C
+    of ``body`` equals it too (else, or where the link fails, written)."""
+    for key, array_key, body, crc, *link in items:
         try:
             if crc is not False and crc is not True:
                 value = crc32c.crc32c(body)
                 crc.reshape(-1)[0] = value
+                if link and link[0][1] == value and _content.link(link[0][0], os.path.join(root, key)):
+                    if fsync:
+                        fd = os.open(os.path.join(root, key), os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                    _content.count(chunks_linked=1, bytes_linked=memoryview(body).nbytes)
+                    continue
                 bufs = [body, value.to_bytes(4, "little")]
             else:
                 bufs = [body, crc32c.crc32c(body).to_bytes(4, "little")] if crc else [body]

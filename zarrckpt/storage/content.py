@@ -85,6 +85,17 @@ class PreviousArray:
         return prev.shape == unit_crcs.shape and bool(np.array_equal(prev, unit_crcs))
 
 
+    def plain_link(self, index: tuple[int, ...], digest: bytes) -> tuple[str, int] | None:
+        """For a chunk that is its own unit (unsharded): ``(its file, its unit CRC-32C)`` when
+        its content hash equals ``digest``, for the writer to compare the CRC-32C it computes
+        (spec §7.9 check 4) before it links; else None."""
+        if bytes(self.hashes[index]) != digest:
+            return None
+        part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.per))
+        crcs = self.crcs[part].reshape(-1)
+        return (self.path(index), int(crcs[0])) if crcs.size == 1 else None
+
+
 def link(src: str, dst: str, dirs: set[str] | None = None) -> bool:
     """Hard-link ``src`` at ``dst`` (its directory made first). False where the file system
     refuses (another device, no links, ``src`` gone): the caller writes the chunk."""
