@@ -448,13 +448,19 @@ class LocalArray(Array):
             group = _Group(1)
 
             def whole() -> None:
-                if content is None or not self._link_or_write(content, index, origin, data, present, crcs):
-                    self._write_whole(path, index, origin, data, present, slot, crcs)
+                known = None
+                if content is not None:
+                    known = self._link_or_write(content, index, origin, data, present, crcs)
+                    if known is None:
+                        return  # linked
+                self._write_whole(path, index, origin, data, present, slot, crcs, known)
             self._pool.run_soon(group.run, whole)
             return group.future
+        known = None
         if content is not None:  # a big chunk: hashed here (~20 GB/s), its pieces written in parallel
             try:
-                if self._link_or_write(content, index, origin, data, present, crcs):
+                known = self._link_or_write(content, index, origin, data, present, crcs)
+                if known is None:
                     return _Group(0).future
             except OSError as e:
                 return _failed(e)
@@ -474,7 +480,7 @@ class LocalArray(Array):
         group = _Group(len(pieces) + (1 if c.sharded else 0), finish)
         for piece in pieces:
             self._pool.run_soon(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
-                                                                             slot, crcs))
+                                                                               slot, crcs, known))
         if c.sharded:
             index_bytes = self._index_bytes(slot)
             self._pool.run_soon(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
@@ -491,13 +497,13 @@ class LocalArray(Array):
         return raw + crc32c.crc32c(raw).to_bytes(4, "little")
 
     def _write_whole(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
-                     present: list, slot: dict, crcs: np.ndarray | None) -> None:
+                     present: list, slot: dict, crcs: np.ndarray | None, known: np.ndarray | None = None) -> None:
         """A whole chunk in one task: its file created at its final size, every inner chunk
         and the index written, fsynced when asked."""
         c = self.codec
         enc = c.inner_nbytes + 4
         self._create(path, len(present) * enc + c.index_nbytes)
-        self._write_inner(path, index, origin, data, present, slot, crcs)
+        self._write_inner(path, index, origin, data, present, slot, crcs, known)
         if c.sharded:
             self._pwrite(path, [self._index_bytes(slot)], len(present) * enc)
         if self.fsync:
@@ -524,13 +530,16 @@ class LocalArray(Array):
             os.close(fd)
 
     def _write_inner(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
-                     piece: list[tuple[int, ...]], slot: dict, crcs: np.ndarray | None = None) -> None:
+                     piece: list[tuple[int, ...]], slot: dict, crcs: np.ndarray | None = None,
+                     known: np.ndarray | None = None) -> None:
+        """Write inner chunks ``piece``; ``known``: their CRC-32Cs, computed already (an
+        incremental save's check), so the data is not checksummed twice."""
         c = self.codec
         enc = c.inner_nbytes + 4
         fd = os.open(path, os.O_WRONLY)
         try:
             for j, body in self._bodies(index, origin, data, piece):
-                value = crc32c.crc32c(body)
+                value = crc32c.crc32c(body) if known is None else int(known[j])
                 if crcs is not None:
                     crcs[j] = value
                 _pwritev_all(fd, [body, value.to_bytes(4, "little")], slot[j] * enc)
@@ -570,18 +579,19 @@ class LocalArray(Array):
         return digest, unit_crcs
 
     def _link_or_write(self, content: Any, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
-                       present: list, crcs: np.ndarray | None) -> bool:
+                       present: list, crcs: np.ndarray | None) -> np.ndarray | None:
         """An incremental save's check of one chunk: record its hash; link the previous
-        checkpoint's file when hash and unit CRCs match (True), else False (write it)."""
+        checkpoint's file when hash and unit CRCs match (None: done), else return the unit
+        CRC-32Cs just computed, for the write."""
         from . import content as _content
         digest, unit_crcs = self._digest(index, origin, data, present)
         content.hashes[index] = digest
         prev = content.previous
         if prev is None or not prev.matches(index, digest, unit_crcs):
-            return False
+            return unit_crcs
         path = self._path(index)
         if not _content.link(prev.path(index), path, self._dirs):
-            return False
+            return unit_crcs
         if crcs is not None:
             crcs[...] = unit_crcs
         if self.fsync:
@@ -591,7 +601,7 @@ class LocalArray(Array):
             finally:
                 os.close(fd)
         _content.count(chunks_linked=1, bytes_linked=data.nbytes)
-        return True
+        return None
 
     def _pwrite(self, path: str, bufs: list, offset: int) -> None:
         fd = os.open(path, os.O_WRONLY)
