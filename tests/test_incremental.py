@@ -335,3 +335,24 @@ def test_small_chunks_with_a_colliding_hash_are_written(tmp_path, monkeypatch):
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     zarrckpt.load(out, tmp_path / "b")
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_ls_shows_bytes_of_its_own_and_shared(tmp_path, capsys):
+    from zarrckpt.tools import cli
+
+    sd = _state()
+    m = zarrckpt.CheckpointManager(tmp_path / "run", incremental=True)
+    for step in (1, 2):
+        sd["adapter"]["a"] += 1
+        m.save(step, sd)
+    found = zi.ls(str(tmp_path / "run"))
+    assert [x.step for x in found] == [1, 2]
+    for x in found:  # the frozen chunk files are shared, the adapter's and the documents are not
+        assert x.shared_bytes >= 9 * 256 * 1024 * 4
+        assert 256 * 1024 * 4 <= x.own_bytes < 2 * 256 * 1024 * 4 + (1 << 20)
+    assert cli.main(["ls", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "OWN" in out and "SHARED" in out
+    shutil.rmtree(tmp_path / "run" / "step_00000001")
+    (x,) = zi.ls(str(tmp_path / "run"))
+    assert x.shared_bytes == 0  # nothing shared any more: all of it is its own

@@ -469,7 +469,13 @@ def _ls(args: argparse.Namespace) -> int:
     rows = [[str(x.step) if x.step is not None else "-", x.state,
              format_bytes(x.nbytes) if x.nbytes is not None else "-",
              str(x.num_arrays) if x.num_arrays is not None else "-", x.time or "-", x.url] for x in found]
-    for line in _table(["STEP", "STATE", "SIZE", "ARRAYS", "TIME", "PATH"], rows, right=(0, 2, 3)):
+    head = ["STEP", "STATE", "SIZE", "ARRAYS", "TIME", "PATH"]
+    if any(x.shared_bytes for x in found):  # incremental saves: files hard-linked between steps
+        for row, x in zip(rows, found):
+            row[3:3] = [format_bytes(x.own_bytes) if x.own_bytes is not None else "-",
+                        format_bytes(x.shared_bytes) if x.shared_bytes is not None else "-"]
+        head[3:3] = ["OWN", "SHARED"]
+    for line in _table(head, rows, right=(0, 2, 3, 4, 5) if len(head) > 6 else (0, 2, 3)):
         print(line)
     counts: dict[str, int] = {}
     for x in found:

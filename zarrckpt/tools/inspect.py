@@ -346,7 +346,11 @@ class Listing(JsonReport):
     directory ``step_<N>`` (the name the manager saves, finds, retains and restores it by),
     else the step the checkpoint records. ``saved_step`` is the step the checkpoint
     records (``metadata["step"]``, else a top-level integer leaf ``step``), whatever its
-    name; ``zarrckpt ls`` notes a checkpoint whose two differ."""
+    name; ``zarrckpt ls`` notes a checkpoint whose two differ.
+
+    ``own_bytes`` / ``shared_bytes`` (local file systems, with ``sizes``): the bytes of its
+    files held by it alone, and those of files hard-linked with another checkpoint (an
+    incremental save, spec §7.9; deleting this checkpoint frees only ``own_bytes``)."""
 
     url: str
     name: str
@@ -359,6 +363,24 @@ class Listing(JsonReport):
     nbytes: int | None = None
     error: str | None = None
     saved_step: int | None = None
+    own_bytes: int | None = None
+    shared_bytes: int | None = None
+
+
+def _file_bytes(path: str) -> tuple[int, int]:
+    """(bytes of files with one link, bytes of files with more) under ``path``."""
+    own = shared = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(d, f))
+            except OSError:
+                continue
+            if st.st_nlink > 1:
+                shared += st.st_size
+            else:
+                own += st.st_size
+    return own, shared
 
 
 def _run_step(url: str, saved_step: int | None) -> int | None:
@@ -435,6 +457,8 @@ def _listing(url: str, name: str, storage: StorageOptions | None, sizes: bool) -
             out.nbytes = sum(math.prod(a.shape) * a.dtype.numpy.itemsize for a in ck.array_infos(arrays).values())
         except ZarrckptError as e:  # a document changed, missing or unreadable
             out.state, out.error = "damaged", str(e)
+        if st.local_path is not None:
+            out.own_bytes, out.shared_bytes = _file_bytes(st.local_path)
     return out
 
 
