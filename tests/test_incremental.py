@@ -356,3 +356,24 @@ def test_ls_shows_bytes_of_its_own_and_shared(tmp_path, capsys):
     shutil.rmtree(tmp_path / "run" / "step_00000001")
     (x,) = zi.ls(str(tmp_path / "run"))
     assert x.shared_bytes == 0  # nothing shared any more: all of it is its own
+
+
+def test_diff_tells_unchanged_arrays_from_the_recorded_hashes(tmp_path):
+    """zarrckpt diff between two steps that record content hashes: arrays whose metadata,
+    content hashes and unit CRCs agree are identical without a chunk read (issue 31 item 4)."""
+    sd = _state()
+    zarrckpt.save(sd, tmp_path / "a", content_hashes=True)
+    sd["adapter"]["a"] += 1
+    zarrckpt.save(sd, tmp_path / "b", incremental_from=tmp_path / "a")
+    before = _localfile.counters()["bytes_read"]
+    rep = zi.diff(str(tmp_path / "a"), str(tmp_path / "b"), jobs=1)
+    read = _localfile.counters()["bytes_read"] - before
+    status = {d.key: d.status for d in rep.leaves}
+    assert status["adapter/a"] == "different"
+    assert all(status[f"frozen/w{i}"] == "identical" for i in range(9))
+    assert read < 3 * 256 * 1024 * 4, read  # the adapter of both sides (and the small bias), not the rest
+    plain = tmp_path / "plain"  # without hashes on one side every array is read and compared
+    zarrckpt.save(sd, plain)
+    before = _localfile.counters()["bytes_read"]
+    assert zi.diff(str(tmp_path / "b"), str(plain), jobs=1).same
+    assert _localfile.counters()["bytes_read"] - before >= 2 * 10 * 256 * 1024 * 4

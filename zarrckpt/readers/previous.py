@@ -16,11 +16,35 @@ from ..format import documents as fmt
 from ..storage.content import HASH_BYTES, PreviousArray
 from .checkpoint import Checkpoint
 
+
+def content_tables(ck: Checkpoint, path: str) -> tuple[str, str] | None:
+    """The recorded content hashes (spec §6.6.2) and unit CRC-32Cs (§6.6.1) of the array at
+    ``path``, as stored (base64), or None where the root has not both."""
+    digests = ck.info.raw.get("attributes", {}).get("zarrckpt", {}).get("digests") or {}
+    content = digests.get("content")
+    if not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
+            and isinstance(content.get("chunks"), dict)):
+        return None
+    hashes, crcs = content["chunks"].get(path), (ck.info.chunk_tables or {}).get(path)
+    return None if not isinstance(hashes, str) or not isinstance(crcs, str) else (hashes, crcs)
+
+
+def same_content(a: Checkpoint, b: Checkpoint, path: str) -> bool:
+    """True when both roots record, for the array at ``path``, the same chunk-file-deciding
+    metadata, content hashes and unit CRC-32Cs: the same values, known without reading a
+    chunk (the two checks of spec §7.9). False means "unknown", not "different"."""
+    ta, tb = content_tables(a, path), content_tables(b, path)
+    da = (a.info.consolidated or {}).get(path)
+    db = (b.info.consolidated or {}).get(path)
+    if ta is None or ta != tb or not isinstance(da, dict) or not isinstance(db, dict):
+        return False
+    return all(da.get(k) == db.get(k) for k in SAME_BYTES_MEMBERS)
+
 log = logging.getLogger("zarrckpt")
 
 # the members of an array's zarr.json that decide its chunk files' bytes (spec §5.1); the
 # attributes (save ids, placements) do not
-_SAME = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs",
+SAME_BYTES_MEMBERS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs",
          "fill_value")
 
 
@@ -71,7 +95,7 @@ class Previous:
 
     def _array(self, key: str, document: dict) -> PreviousArray | None:
         doc = self.documents.get(key)
-        if not isinstance(doc, dict) or any(doc.get(k) != document.get(k) for k in _SAME):
+        if not isinstance(doc, dict) or any(doc.get(k) != document.get(k) for k in SAME_BYTES_MEMBERS):
             return None
         try:
             content = binascii.a2b_base64(self.content[key].encode("ascii"), strict_mode=True)
