@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import zarrckpt
-from harness import (Commit, Ctx, bit_equal, check_saved, checksums, dir_stats, drop_caches,  # noqa: F401
+from harness import (Commit, Ctx, bit_equal, check_saved, checksums, d2h_bw, dir_stats, drop_caches,  # noqa: F401
                      drop_times, free_port, fs_type, init_dist, leaves, load_pair, load_with, local, now, rotate, saver,
                      scramble, sizes, storage_bw, tmap, verify_checksums)
 from models import SHAPES, build_state, tensor_stats
@@ -330,7 +330,9 @@ def shape_worker(rank, cfg, port, sdir, shape):
             for p in ckpt.values():
                 ctx.rmtree(p)
         res.setdefault("bw", []).extend(
-            dict(storage_bw(ctx, res["local_bytes"], t), rep=rep) for t in sorted({1, cfg.bw_threads}))
+            dict(storage_bw(ctx, res["local_bytes"], t), rep=rep) for t in cfg.bw_threads)
+        if ctx.device.type == "cuda":  # the device-to-host bound of a sync save's staging
+            res.setdefault("d2h", []).append(dict(d2h_bw(ctx, res["local_bytes"]), rep=rep))
         if "save" in cfg.only:
             res.setdefault("save", []).append(sync_save(ctx, rep, sd, ckpt))
         elif not ckpt:  # the loads need checkpoints: save once, untimed
@@ -454,8 +456,9 @@ def parse_args(argv=None):
                          "blocking: BlockingAsyncStager(cache_staged_state_dict=True) (torch 2.11's "
                          "DefaultStager fails on DTensors: KeyError <class 'type'> in its deepcopy)")
     ap.add_argument("--small-tensors", type=int, default=10000)
-    ap.add_argument("--bw-threads", type=int, default=0,
-                    help="threads per rank of the storage test besides 1 (default: zarrckpt's file_io_concurrency)")
+    ap.add_argument("--bw-threads", default="",
+                    help="comma list of threads per rank of the storage test (default: 1,4,16 and zarrckpt's "
+                         "file_io_concurrency)")
     ap.add_argument("--sim-tensors", type=int, default=1000)
     ap.add_argument("--sim-coords", type=int, default=16, help="mesh coordinates timed in the sim section")
     ap.add_argument("--only", default=",".join(SECTIONS))
@@ -472,10 +475,12 @@ def parse_args(argv=None):
     cfg.sweep_reps = cfg.sweep_reps or cfg.reps
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.world:
         ap.error(f"--world {cfg.world} needs as many GPUs; {torch.cuda.device_count()} visible")
-    if not cfg.bw_threads:
+    if cfg.bw_threads:
+        cfg.bw_threads = sorted({int(t) for t in cfg.bw_threads.split(",")})
+    else:
         from zarrckpt.storage import StorageOptions
 
-        cfg.bw_threads = StorageOptions().file_io_concurrency
+        cfg.bw_threads = sorted({1, 4, 16, StorageOptions().file_io_concurrency})
     return cfg
 
 

@@ -507,6 +507,24 @@ def storage_bw(ctx: Ctx, nbytes: int, threads: int) -> dict:
             "drop": drop}
 
 
+_PINNED: dict[int, torch.Tensor] = {}
+
+
+def d2h_bw(ctx: Ctx, nbytes: int) -> dict:
+    """The bound of device-to-host staging: ``nbytes`` per rank copied from one device
+    buffer into a page-locked host buffer (allocated once per process, untimed), every
+    rank at once (the host's copy engines and memory are shared)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    dst = _PINNED.get(nbytes)
+    if dst is None:
+        dst = _PINNED[nbytes] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src)  # warm
+    torch.cuda.synchronize()
+    m = ctx.measure(lambda: (dst.copy_(src, non_blocking=True), torch.cuda.synchronize()))
+    del src
+    return {"bytes": nbytes, "seconds": m["seconds"]}
+
+
 # ------------------------------------------------------------ the systems' calls
 
 def saver(ctx: Ctx, s: str, sd, path: str):

@@ -5,6 +5,8 @@
                  biases) + MLP (H x 4H, 4H x H with biases) + two RMSNorms, a final RMSNorm
     moe          blocks of the same attention whose MLP is E experts (separate
                  Linear(H, F) / Linear(F, H), no bias) and a router H x E; a final RMSNorm
+    many-small   moe at H = 1536 by default (F = H/4, E = 32): ~2,100 tensors for 4 GB,
+                 1 KB to a few MB per rank each (issue 30's many-small-tensor shape)
 
 The number of blocks makes params + exp_avg + exp_avg_sq about ``state_gb``; a shape's
 fixed part (the embedding) is kept even when it alone is larger. Every model is built on
@@ -21,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-SHAPES = ("linear", "transformer", "moe")
+SHAPES = ("linear", "transformer", "moe", "many-small")
 
 
 class Attention(nn.Module):
@@ -100,7 +102,7 @@ class Net(nn.Module):
 def plan(shape: str, cfg) -> dict:
     """Width, blocks and sizes of a shape for ``cfg.state_gb`` (12 bytes per parameter)."""
     n = cfg.state_gb * 1e9 / 12
-    h = cfg.hidden or 4096
+    h = cfg.hidden or (1536 if shape == "many-small" else 4096)
     attn = 4 * (h * h + h) + 2 * h
     if shape == "linear":
         while not cfg.hidden and h > 64 and n / (h * h + h) < 8:  # tiny states: several layers
@@ -108,7 +110,7 @@ def plan(shape: str, cfg) -> dict:
         per, fixed, extra = h * h + h, 0, {}
     elif shape == "transformer":
         per, fixed, extra = attn + 8 * h * h + 5 * h, cfg.vocab * h + h, {"vocab": cfg.vocab}
-    elif shape == "moe":
+    elif shape in ("moe", "many-small"):
         f = cfg.expert_hidden or max(1, h // 4)
         per, fixed = attn + h * cfg.experts + 2 * cfg.experts * h * f, h
         extra = {"experts": cfg.experts, "expert_hidden": f}

@@ -174,6 +174,15 @@ def bw_table(ranks):
         es = [e for k, e in agg.items() if k[1] == t]
         lines.append(f"| {t} | {median([e['bytes'] / e['w'] / 1e9 for e in es]):.2f} | "
                      f"{median([e['bytes'] / e['r'] / 1e9 for e in es]):.2f} |")
+    d2h: dict = {}
+    for r in ranks:
+        for b in r.get("d2h", []):
+            e = d2h.setdefault(b["rep"], {"bytes": 0, "s": 0})
+            e["bytes"] += b["bytes"]
+            e["s"] = max(e["s"], b["seconds"])
+    if d2h:
+        lines.append(f"\nPinned device-to-host copy, every rank at once (the staging bound): "
+                     f"{median([e['bytes'] / e['s'] / 1e9 for e in d2h.values()]):.1f} GB/s (median of reps)")
     best_w, best_r = {}, {}
     for (rep, _), e in agg.items():
         best_w[rep] = max(best_w.get(rep, 0), e["bytes"] / e["w"])
