@@ -64,9 +64,24 @@ from ..format.layout import slices
 from ..storage import Storage, plain_body, translate_error
 from ..storage import content as _content
 
-__all__ = ["ArrayWrite", "ChunkWrite", "ChunkWriter", "Group", "OneProcess", "SMALL_CHUNK_BYTES", "abandon",
-           "begin", "fast_chunk_shape", "finish", "merge_crcs", "new_identity", "pack_crcs", "unpack_crcs",
-           "write_arrays"]
+__all__ = [
+    "ArrayWrite",
+    "ChunkWrite",
+    "ChunkWriter",
+    "Content",
+    "Group",
+    "OneProcess",
+    "SMALL_CHUNK_BYTES",
+    "abandon",
+    "begin",
+    "fast_chunk_shape",
+    "finish",
+    "merge_crcs",
+    "new_identity",
+    "pack_crcs",
+    "unpack_crcs",
+    "write_arrays",
+]
 
 SMALL_CHUNK_BYTES = 1 << 20  # whole plain chunks up to this size skip TensorStore (spec C.5 step 3)
 

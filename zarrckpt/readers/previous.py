@@ -42,6 +42,8 @@ def same_content(a: Checkpoint, b: Checkpoint, path: str) -> bool:
 
 log = logging.getLogger("zarrckpt")
 
+__all__ = ["Previous", "SAME_BYTES_MEMBERS", "content_tables", "same_content"]
+
 # the members of an array's zarr.json that decide its chunk files' bytes (spec §5.1); the
 # attributes (save ids, placements) do not
 SAME_BYTES_MEMBERS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs",

@@ -311,19 +311,35 @@ class _Workers:
 
     def __init__(self, threads: int, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
+        self._max, self._name = threads, name
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # tokens of idle threads, as ThreadPoolExecutor's idle semaphore (approximate:
+        # plain int updates under the GIL; a race only starts one thread more or less)
+        self._start_lock = threading.Lock()
+
+    def _more(self) -> None:
+        """Before a task is queued: claim an idle thread, else start one more (up to the
+        bound), as ThreadPoolExecutor does: a light load keeps few threads, so few per-thread
+        scratch buffers (the converters' memory bound counts them)."""
+        if self._idle > 0:  # an idle thread takes it: claim its token
+            self._idle -= 1
+            return
+        with self._start_lock:
+            if len(self._threads) >= self._max:
+                return
+            t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+            self._threads.append(t)
             t.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Let every thread leave once the tasks queued before have run (at exit: threads
         still blocked in the queue while the interpreter finalizes made processes abort,
         "terminate called without an active exception", in 1 of ~5 runs)."""
-        for _ in self._threads:
+        threads = list(self._threads)
+        for _ in threads:
             self._queue.put(None)
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _work(self) -> None:
@@ -336,9 +352,11 @@ class _Workers:
                 fn()
             except BaseException:  # noqa: BLE001 - run_soon's tasks handle their own errors
                 log.exception("zarrckpt I/O task failed outside its future")
+            self._idle += 1
 
     def run_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in a worker; ``fn`` must not raise (wrap it: ``_Group.run``)."""
+        self._more()
         self._queue.put(functools.partial(fn, *args) if args else fn)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
@@ -351,6 +369,7 @@ class _Workers:
                     future.set_result(fn(*args))
                 except BaseException as e:  # noqa: BLE001 - handed to the future
                     future.set_exception(e)
+        self._more()
         self._queue.put(task)
         return future
 
@@ -455,7 +474,7 @@ class LocalArray(Array):
     # ---- write --------------------------------------------------------------
 
     def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None,
-               content: Any = None) -> cf.Future:
+               record: Any = None) -> cf.Future:
         """Write the whole chunk ``box`` (clipped to the shape) from ``data`` (any strides);
         the caller keeps ``data`` unchanged until the future completes (always)."""
         c = self.codec
@@ -475,17 +494,17 @@ class LocalArray(Array):
 
             def whole() -> None:
                 known = None
-                if content is not None:
-                    known = self._link_or_write(content, index, origin, data, present, crcs)
+                if record is not None:
+                    known = self._link_or_write(record, index, origin, data, present, crcs)
                     if known is None:
                         return  # linked
                 self._write_whole(path, index, origin, data, present, slot, crcs, known)
             self._pool.run_soon(group.run, whole)
             return group.future
         known = None
-        if content is not None:  # a big chunk: hashed here (~20 GB/s), its pieces written in parallel
+        if record is not None:  # a big chunk: hashed here (~20 GB/s), its pieces written in parallel
             try:
-                known = self._link_or_write(content, index, origin, data, present, crcs)
+                known = self._link_or_write(record, index, origin, data, present, crcs)
                 if known is None:
                     return _Group(0).future
             except OSError as e:
@@ -604,15 +623,15 @@ class LocalArray(Array):
         digest = content.chunk_hash(each())
         return digest, unit_crcs
 
-    def _link_or_write(self, content: Any, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
+    def _link_or_write(self, record: Any, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
                        present: list, crcs: np.ndarray | None) -> np.ndarray | None:
         """An incremental save's check of one chunk: record its hash; link the previous
         checkpoint's file when hash and unit CRCs match (None: done), else return the unit
         CRC-32Cs just computed, for the write."""
         from . import content as _content
         digest, unit_crcs = self._digest(index, origin, data, present)
-        content.hashes[index] = digest
-        prev = content.previous
+        record.hashes[index] = digest
+        prev = record.previous
         if prev is None or not prev.matches(index, digest, unit_crcs):
             return unit_crcs
         path = self._path(index)

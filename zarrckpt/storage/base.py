@@ -103,7 +103,7 @@ class Array(abc.ABC):
         (only where :attr:`links_chunks`): an incremental save's record (``hashes``: chunk
         index -> content hash, filled in; ``previous``: a ``storage.content.PreviousArray`` or None)."""
         if content is not None:
-            return self._write(box, data, stable, crcs, content=content)
+            return self._write(box, data, stable, crcs, record=content)
         return self._write(box, data, stable, crcs)
 
     def read_into(self, box: Box, out: np.ndarray) -> Any:

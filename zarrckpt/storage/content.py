@@ -31,6 +31,8 @@ from ..format import documents as fmt
 
 log = logging.getLogger("zarrckpt")
 
+__all__ = ["HASH_BYTES", "PreviousArray", "chunk_hash", "count", "counters", "link", "xxh3_128"]
+
 HASH_BYTES = 16
 
 
