@@ -221,3 +221,18 @@ def test_manager_example_on_s3(s3):
     prefix = url.split("/", 3)[3] + "/"
     rel = [k[len(prefix):] for k in s3.list_objects(prefix=prefix)]
     assert {k.split("/")[0] for k in rel} == {"step_00000020", "step_00000030", "step_00000040"}
+
+
+def test_incremental_saves_on_s3_write_everything_and_say_why(s3, caplog):
+    """No links on object stores (spec §7.9: server-side copies are not done yet): an
+    incremental manager writes every chunk, warns once per save why, and every step is whole."""
+    url = s3.url(s3.fresh_prefix() + "run")
+    o = opts(s3)
+    m = zarrckpt.CheckpointManager(url, keep_last=1, incremental=True, storage=o)
+    with caplog.at_level("WARNING", logger="zarrckpt"):
+        for step, v in ((1, 1.0), (2, 2.0)):
+            rep = m.save(step, state(v))
+            assert rep["bytes_linked"] == 0 and rep["bytes_written"] > 0
+    assert "not on a local or parallel file system" in caplog.text
+    assert m.steps() == [2]
+    check(zarrckpt.load_state_dict(url.rstrip("/") + "/step_00000002", storage=o), 2.0)

@@ -61,12 +61,12 @@ class Previous:
         self._arrays: dict[str, PreviousArray | None] = {}
 
     @classmethod
-    def open(cls, path: Any) -> Previous | None:
+    def open(cls, path: Any, storage_options: Any = None) -> Previous | None:
         """PREV's root, or None (with a warning: the save then writes everything) where it
         cannot be linked from: not a committed checkpoint, not on a local or parallel file
         system, before format 1.3, or no content hashes recorded."""
         try:
-            ck = Checkpoint(path)
+            ck = Checkpoint(path, storage_options)
         except Exception as e:  # noqa: BLE001 - an incremental save still saves
             log.warning("zarrckpt: incremental_from=%r cannot be opened (%s); writing every chunk", path, e)
             return None
