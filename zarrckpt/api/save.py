@@ -57,7 +57,6 @@ from ..distributed import group as zdist
 from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
 from ..readers.previous import Previous
-from ..storage import content as chunk_content
 from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, local_view, pack_bytes, plan_state,
                              resolve_reusing, restrict_to_holders, with_save_id, with_source)
 from ..planning.state import is_array_leaf, resolve_stateful
@@ -651,12 +650,12 @@ class SaveRun:
                 arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
                 self.chunk_crcs = {}  # spec §6.6: this rank's chunk CRCs, for the root (finish)
                 self.content = self._content()
-                linked = chunk_content.counters()["bytes_linked"]
                 self.bytes_written += engine.write_arrays(
                     self.store, documents, arrays, self.options.max_inflight_bytes, self.chunk_crcs,
                     None if self.progress is None else functools.partial(self.progress, "write"),
                     content=self.content)
-                self.bytes_linked += chunk_content.counters()["bytes_linked"] - linked
+                if self.content is not None:  # this save's own tally (others may run in this process)
+                    self.bytes_linked += sum(self.content.linked)
         except BaseException as e:  # noqa: BLE001 - reported to every rank
             error = e
         finally:

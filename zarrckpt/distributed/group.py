@@ -114,13 +114,17 @@ class Group:
                 time.sleep(delay)
                 delay = min(delay * 1.5, 2e-3)
                 if time.monotonic() >= check_at:
-                    why = _broken_elsewhere(self)
-                    if why is not None:
-                        _mark_broken(self, why, publish=False)
-                        raise DistributedError(f"collective {op} over {self.size} ranks abandoned on rank "
-                                               f"{self.rank}: {why}")
+                    self._leave_if_broken_elsewhere(f"collective {op}")
                     check_at = time.monotonic() + every
         work.wait()
+
+    def _leave_if_broken_elsewhere(self, what: str) -> None:
+        """Raise DistributedError (marking these ranks broken here) when the store says
+        another rank marked them broken, or the store is gone."""
+        why = _broken_elsewhere(self)
+        if why is not None:
+            _mark_broken(self, why, publish=False)
+            raise DistributedError(f"{what} over {self.size} ranks abandoned on rank {self.rank}: {why}")
 
     def _wait_p2p(self, works: Sequence[Any], op: str) -> None:
         """Wait for point-to-point works. NCCL's are waited for directly (``wait`` only
@@ -149,10 +153,7 @@ class Group:
         threading.Thread(target=wait_all, name=f"zarrckpt-{op}-wait", daemon=True).start()
         every = max(1.0, self.size / 256)
         while not done.wait(every):
-            why = _broken_elsewhere(self)
-            if why is not None:
-                _mark_broken(self, why, publish=False)
-                raise DistributedError(f"{op} over {self.size} ranks abandoned on rank {self.rank}: {why}")
+            self._leave_if_broken_elsewhere(op)
         if failed:
             raise failed[0]
 

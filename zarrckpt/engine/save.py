@@ -266,6 +266,8 @@ class ChunkWriter:
                 digest = rec.hashes[index] = _content.chunk_hash([plain_body(data)])
                 if rec.previous is not None and self._batch is not None and slot is not None:
                     link = rec.previous.plain_link(index, digest)
+                    if link is not None:
+                        link = (*link, self.content.linked)
             if self._batch is not None:
                 self._later(f"{key}/{fmt.chunk_key(index)}", key, plain_body(data), True if slot is None else slot,
                             link)
@@ -330,22 +332,24 @@ class Content:
     def __init__(self, previous: Any) -> None:
         self.previous = previous
         self.hashes: dict[str, dict[tuple[int, ...], bytes]] = {}
+        self.linked: list[int] = []  # data bytes of each chunk linked (appended by the writers)
         self._arrays: dict[str, Any] = {}
 
     def of(self, key: str, document: Mapping[str, Any]) -> Any:
         rec = self._arrays.get(key)
         if rec is None:
             prev = self.previous.array(key, dict(document)) if self.previous is not None else None
-            rec = self._arrays[key] = _ArrayContent(prev, self.hashes.setdefault(key, {}))
+            rec = self._arrays[key] = _ArrayContent(prev, self.hashes.setdefault(key, {}), self.linked)
         return rec
 
 
 class _ArrayContent:
-    __slots__ = ("previous", "hashes")
+    __slots__ = ("previous", "hashes", "linked")
 
-    def __init__(self, previous: Any, hashes: dict) -> None:
+    def __init__(self, previous: Any, hashes: dict, linked: list[int]) -> None:
         self.previous = previous
         self.hashes = hashes
+        self.linked = linked
 
 
 def write_arrays(store: Storage, documents: Mapping[str, Mapping[str, Any]], arrays: Sequence[ArrayWrite],

@@ -44,6 +44,7 @@ import crc32c
 import numpy as np
 
 from .base import Array, tile_grid
+from .content import fsync_path
 from ..format import dtypes
 from ..errors import CorruptChunkError, FormatError
 
@@ -516,11 +517,7 @@ class LocalArray(Array):
 
         def finish() -> None:
             if self.fsync:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(path)
 
         group = _Group(len(pieces) + (1 if c.sharded else 0), finish)
         for piece in pieces:
@@ -552,11 +549,7 @@ class LocalArray(Array):
         if c.sharded:
             self._pwrite(path, [self._index_bytes(slot)], len(present) * enc)
         if self.fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
 
     def _create(self, path: str, size: int) -> None:
         """A fresh chunk file of its final size (every task then writes its own byte range)."""
@@ -640,12 +633,9 @@ class LocalArray(Array):
         if crcs is not None:
             crcs[...] = unit_crcs
         if self.fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
         _content.count(chunks_linked=1, bytes_linked=data.nbytes)
+        record.linked.append(data.nbytes)
         return None
 
     def _pwrite(self, path: str, bufs: list, offset: int) -> None:

@@ -465,12 +465,6 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _put_file(path: str, data: Any, fsync: bool) -> None:
@@ -500,9 +494,10 @@ def _put_files(root: str, items: list[tuple], fsync: bool) -> None:
     """Write small objects: ``(key, array key, body, crc[, link])``, ``crc`` False (the body
     alone), True (the body and its CRC-32C) or a one-element ``uint32`` array (the same, and
     the CRC-32C is stored there: spec §6.6's table of positions). ``link`` (incremental
-    saves, spec §7.9): ``(source path, its unit CRC-32C)`` of a previous checkpoint's chunk
+    saves, spec §7.9): ``(source path, its unit CRC-32C, list)`` of a previous checkpoint's chunk
     whose content hash equals this one's: hard-linked instead of written when the CRC-32C
-    of ``body`` equals it too (else, or where the link fails, written)."""
+    of ``body`` equals it too (the body's size then appended to the list; else, or where the
+    link fails, written)."""
     for key, array_key, body, crc, *link in items:
         try:
             if crc is not False and crc is not True:
@@ -510,12 +505,9 @@ def _put_files(root: str, items: list[tuple], fsync: bool) -> None:
                 crc.reshape(-1)[0] = value
                 if link and link[0][1] == value and _content.link(link[0][0], os.path.join(root, key)):
                     if fsync:
-                        fd = os.open(os.path.join(root, key), os.O_RDONLY)
-                        try:
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
+                        _content.fsync_path(os.path.join(root, key))
                     _content.count(chunks_linked=1, bytes_linked=memoryview(body).nbytes)
+                    link[0][2].append(memoryview(body).nbytes)
                     continue
                 bufs = [body, value.to_bytes(4, "little")]
             else:
@@ -1045,7 +1037,7 @@ class TensorStoreStorage(_base.Storage):
                 os.rename(to, aside)
                 os.rename(src, to)
                 old = TensorStoreStorage(aside, self.options)
-            _fsync_dir(os.path.dirname(to))
+            _content.fsync_path(os.path.dirname(to))
         except OSError as e:
             raise self._error(f"moving {src!r} to {to!r}", e) from e
         return old

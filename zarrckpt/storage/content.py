@@ -31,7 +31,7 @@ from ..format import documents as fmt
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["HASH_BYTES", "PreviousArray", "chunk_hash", "count", "counters", "link", "xxh3_128"]
+__all__ = ["HASH_BYTES", "PreviousArray", "chunk_hash", "count", "counters", "fsync_path", "link", "xxh3_128"]
 
 HASH_BYTES = 16
 
@@ -96,6 +96,15 @@ class PreviousArray:
         part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.per))
         crcs = self.crcs[part].reshape(-1)
         return (self.path(index), int(crcs[0])) if crcs.size == 1 else None
+
+
+def fsync_path(path: str) -> None:
+    """Make a file's (or a directory's) data and metadata durable: open, fsync, close."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def link(src: str, dst: str, dirs: set[str] | None = None) -> bool:
