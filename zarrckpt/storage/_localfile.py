@@ -23,19 +23,15 @@ for file, and reads each one's files with the other and with zarr-python). Anyth
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import errno
 import functools
 import itertools
-import logging
 import math
 import os
-import queue
 import stat
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +44,6 @@ from .content import fsync_path
 from ..format import dtypes
 from ..errors import CorruptChunkError, FormatError
 
-log = logging.getLogger("zarrckpt")
 
 __all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "fill_scalar",
            "inner_offset", "misplaced", "release_buffers", "unit_crcs", "units_codec"]
@@ -301,100 +296,19 @@ def counters() -> dict[str, int]:
         return dict(_counts)
 
 
-class _Workers:
-    """A fixed set of daemon threads fed by one ``queue.SimpleQueue`` (implemented in C: a
-    put takes no Python-level lock). ``ThreadPoolExecutor.submit`` takes its idle
-    semaphore's lock, which every worker also takes after each task; under the GIL the
-    submitting thread often found it held by a worker waiting for the GIL and lost a
-    switch interval: 0.17 ms per submit, 0.35 s of a 2,000-array load on 2 cores, and
-    on a many-core GPU host the calling thread of a load or save of thousands of small
-    arrays is what limits it."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._max, self._name = threads, name
-        self._threads: list[threading.Thread] = []
-        self._idle = 0  # tokens of idle threads, as ThreadPoolExecutor's idle semaphore (approximate:
-        # plain int updates under the GIL; a race only starts one thread more or less)
-        self._start_lock = threading.Lock()
-
-    def _more(self) -> None:
-        """Before a task is queued: claim an idle thread, else start one more (up to the
-        bound), as ThreadPoolExecutor does: a light load keeps few threads, so few per-thread
-        scratch buffers (the converters' memory bound counts them)."""
-        if self._idle > 0:  # an idle thread takes it: claim its token
-            self._idle -= 1
-            return
-        with self._start_lock:
-            if len(self._threads) >= self._max:
-                return
-            t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Let every thread leave once the tasks queued before have run (at exit: threads
-        still blocked in the queue while the interpreter finalizes made processes abort,
-        "terminate called without an active exception", in 1 of ~5 runs)."""
-        threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def _work(self) -> None:
-        get = self._queue.get
-        while True:
-            fn = get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except BaseException:  # noqa: BLE001 - run_soon's tasks handle their own errors
-                log.exception("zarrckpt I/O task failed outside its future")
-            self._idle += 1
-
-    def run_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in a worker; ``fn`` must not raise (wrap it: ``_Group.run``)."""
-        self._more()
-        self._queue.put(functools.partial(fn, *args) if args else fn)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Run ``fn(*args)`` in a worker; its result or error through the future."""
-        future: cf.Future = cf.Future()
-
-        def task() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:  # noqa: BLE001 - handed to the future
-                    future.set_exception(e)
-        self._more()
-        self._queue.put(task)
-        return future
-
-
-_pools: dict[int, _Workers] = {}
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(threads: int) -> _Workers:
+def _pool(threads: int) -> cf.ThreadPoolExecutor:
+    # ThreadPoolExecutor: threads started as needed and joined at shutdown, in
+    # multiprocessing children too (a queue-fed pool of daemon threads tried in issue 30
+    # measured no faster on the 2-core VM and made processes abort at exit)
     with _pools_lock:
         pool = _pools.get(threads)
         if pool is None:
-            if not _pools:
-                atexit.register(_stop_pools)
-            pool = _pools[threads] = _Workers(threads, "zarrckpt-io")
+            pool = _pools[threads] = cf.ThreadPoolExecutor(threads, thread_name_prefix="zarrckpt-io")
         return pool
-
-
-def _stop_pools() -> None:
-    with _pools_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        pool.stop()
 
 
 _local = threading.local()
@@ -500,7 +414,7 @@ class LocalArray(Array):
                     if known is None:
                         return  # linked
                 self._write_whole(path, index, origin, data, present, slot, crcs, known)
-            self._pool.run_soon(group.run, whole)
+            self._pool.submit(group.run, whole)
             return group.future
         known = None
         if record is not None:  # a big chunk: hashed here (~20 GB/s), its pieces written in parallel
@@ -521,11 +435,11 @@ class LocalArray(Array):
 
         group = _Group(len(pieces) + (1 if c.sharded else 0), finish)
         for piece in pieces:
-            self._pool.run_soon(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
+            self._pool.submit(group.run, lambda piece=piece: self._write_inner(path, index, origin, data, piece,
                                                                                slot, crcs, known))
         if c.sharded:
             index_bytes = self._index_bytes(slot)
-            self._pool.run_soon(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
+            self._pool.submit(group.run, lambda: self._pwrite(path, [index_bytes], len(present) * enc))
         return group.future
 
     def _index_bytes(self, slot: dict) -> bytes:
@@ -666,7 +580,7 @@ class LocalArray(Array):
         group = _Group(len(pieces), self._bool_check(box, out))
         for piece in pieces:
             whole = self._whole_chunks(piece) if small else frozenset()
-            self._pool.run_soon(group.run, lambda piece=piece, whole=whole:
+            self._pool.submit(group.run, lambda piece=piece, whole=whole:
                               self._read_units(box, origin, out, piece, whole))
         return group.future
 
@@ -692,7 +606,7 @@ class LocalArray(Array):
         pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
         group = _Group(len(pieces), self._bool_check(box, out))
         for piece in pieces:
-            self._pool.run_soon(group.run, lambda piece=piece: self._read_tiles(piece))
+            self._pool.submit(group.run, lambda piece=piece: self._read_tiles(piece))
         return group.future
 
     def _read_tiles(self, units: list) -> None:
