@@ -131,3 +131,40 @@ def test_check_replicas_on_bf16_fp8_partial_and_packed_leaves(clusters, tmp_path
     else:
         key = "'b'" if case == "differ" else "'small'"
         assert all(o.startswith(("UnsupportedValueError", "SaveFailedError")) and key in o for o in out), out
+
+
+# ---- DTensors on meshes smaller than the world (CI failure, 2026-11-27) ---------------------
+
+
+def w_submesh(rank, world, path, differ, use_async):
+    """A 2 x 2 world; ``d`` is a DTensor sharded over ``mesh["dp"]`` alone, so both tp
+    indices hold it whole (as FSDP leaves a norm that TP does not split). ``differ``: the
+    ranks also hold different keys (the planner's slow path, as pipeline stages do)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    dp = mesh["dp"].get_local_rank()
+    d = DTensor.from_local(full[dp * 4:(dp + 1) * 4].clone(), mesh["dp"], [Shard(0)], run_check=False)
+    state = {"d": d}
+    if differ:
+        state[f"own{rank}"] = torch.full((2,), float(rank))
+    if use_async:
+        report = zarrckpt.async_save(state, path).result()
+    else:
+        report = zarrckpt.save(state, path)
+    return report["bytes_written"]
+
+
+@pytest.mark.parametrize("differ", [False, True], ids=["same-keys", "different-keys"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_dtensor_held_by_two_meshes_is_written_once(clusters, tmp_path, differ, use_async):
+    """Both meshes wrote every file of ``d`` (the same bytes), racing on them: with the
+    incremental saves' create-exclusive files one rank failed with 'File exists'. Now the
+    mesh holding the lowest global rank writes it; the bytes written add up to the state."""
+    path = str(tmp_path / "ck")
+    written = clusters(4).run(w_submesh, path, differ, use_async)
+    assert sum(written) == 64 * 4 + (4 * 2 * 4 if differ else 0)
+    sd = zarrckpt.load_state_dict(path)
+    assert torch.equal(sd["d"], torch.arange(64, dtype=torch.float32).reshape(8, 8))

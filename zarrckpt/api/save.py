@@ -58,7 +58,7 @@ from ..format import dtypes, documents as fmt, tree as ztree
 from ..engine import save as engine
 from ..readers.previous import Previous
 from ..planning.plan import (ArrayPlan, PlanOptions, assign_packs, leaf_order, local_data, local_view, pack_bytes, plan_state,
-                             resolve_reusing, restrict_to_holders, with_save_id, with_source)
+                             drop_mesh_replicas, resolve_reusing, restrict_to_holders, with_save_id, with_source)
 from ..planning.state import is_array_leaf, resolve_stateful
 from ..format.layout import slices as _slices
 from ..errors import SaveFailedError, UnsupportedValueError
@@ -343,6 +343,7 @@ class SaveRun:
                 restrict_to_holders(p, held[p.key], self.g, self.options.plan)
                 if p.kind in _PLAIN_KINDS else p
                 for p in self.arrays]
+        self.arrays = drop_mesh_replicas(self.arrays, self.g, same)
         self.all_docs = {p.key: p.metadata for p in self.arrays}
         if not same:
             self.gathered = self.g.gather_to_root((self.tree, self.all_docs))

@@ -242,6 +242,15 @@ class Group:
         """Start receiving into ``t`` from group rank ``peer``; ``.wait()`` on the result."""
         return _Pending(self, "irecv", dist.irecv(t, group=self.pg, group_src=peer, tag=tag))
 
+    def minimum(self, values: Sequence[int]) -> list[int]:
+        """The element-wise minimum of every rank's ``values`` (ints, the same count on every
+        rank), everywhere (one all-reduce)."""
+        if not self.active or not values:
+            return list(values)
+        t = torch.tensor([-int(v) for v in values], dtype=torch.int64, device=self._device())
+        self._max(t)
+        return [-int(v) for v in t.tolist()]
+
     def broadcast(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` (ints in 0 .. 2**62-1) on every rank (one all-reduce)."""
         return self.check(True, [], values)[2]

@@ -514,6 +514,37 @@ def with_save_id(plan: ArrayPlan, save_id: str) -> ArrayPlan:
     return _with(plan, metadata=metadata)
 
 
+def drop_mesh_replicas(plans: list[ArrayPlan], g: zdist.Group, same: bool) -> list[ArrayPlan]:
+    """A DTensor whose mesh spans fewer ranks than the group can be held whole by several
+    disjoint meshes: FSDP over ``mesh["dp"]`` of a dp x tp world leaves a parameter that TP
+    does not split (a norm, a bias) as the same DTensor on every tp index. Like a plain
+    leaf, it is stored once: by the mesh holding the lowest global rank among those that
+    hold the key; on every other mesh this rank's plan holds no part (coordinate None, no
+    writes, no sends, no source). Two meshes both writing the array raced on its files.
+
+    ``same`` (every rank planned the same keys and documents, so every rank finds the
+    same candidate keys): one all-reduce of one int per candidate; else one all-gather.
+    Collective; no collective when no DTensor's mesh is smaller than the group."""
+    def candidate(p: ArrayPlan) -> bool:
+        return p.kind == "dtensor" and math.prod(p.layout.mesh_shape) < g.size
+
+    if not g.active:
+        return plans
+    mine = {p.key: min(p.mesh_ranks) for p in plans if candidate(p) and p.coord is not None}
+    if same:
+        keys = sorted({p.key for p in plans if candidate(p)})
+        if not keys:
+            return plans
+        lowest = dict(zip(keys, g.minimum([mine.get(k, 2**62) for k in keys])))
+    else:
+        lowest = {}
+        for view in g.all_gather(mine):
+            for k, r in view.items():
+                lowest[k] = min(r, lowest.get(k, r))
+    return [_with(p, coord=None, writes=(), sends=(), source=None)
+            if p.key in mine and mine[p.key] != lowest[p.key] else p for p in plans]
+
+
 def restrict_to_holders(plan: ArrayPlan, holders: list[int], g: zdist.Group,
                         options: PlanOptions) -> ArrayPlan:
     """A plain array replicated over the group ranks that hold it, not the whole group
