@@ -27,7 +27,7 @@ from .state import checked_dtype, checked_tensor, is_array_leaf, is_stateful, re
 from ..errors import UnsupportedPlacementError, UnsupportedValueError
 from ..format.layout import ChunkWrite, Layout, Replicate, Send, Shard
 
-__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "leaf_order", "local_data", "local_view",
+__all__ = ["ArrayPlan", "PACK_ALIGN", "PackMember", "PlanOptions", "assign_packs", "drop_mesh_replicas", "leaf_order", "local_data", "local_view",
            "pack_bytes", "plan_state", "resolve_reusing", "restrict_to_holders", "reusable_plans", "with_save_id",
            "with_source"]
 
