@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _v11 import as_format_1_1
 
@@ -552,3 +554,29 @@ def test_padding_index_entry_outside_its_shard_is_refused_through_tensorstore(tm
         zarrckpt.load_state_dict(path, ["edge_padding"], storage=ts_opts)
     with pytest.raises(errors.CorruptChunkError, match=match):
         zarrckpt.load({"edge_padding": torch.zeros(10, 2)}, path, strict=False, storage=ts_opts)
+
+
+JSONV = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=8)
+                     | st.just("0" * 64),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                     max_leaves=8)
+PATHS = st.lists(st.text(st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)),
+                         min_size=1, max_size=5), min_size=1, max_size=3).map("/".join)
+
+
+@given(docs=st.dictionaries(PATHS, st.dictionaries(st.text(max_size=5), JSONV, max_size=3), max_size=5),
+       metadata=st.dictionaries(st.text(max_size=6), JSONV, max_size=3),
+       trap=st.booleans())
+def test_committed_root_bytes_are_its_plain_json_encoding(docs, metadata, trap):
+    """root_metadata puts the root's bytes together from its array documents' encodings and
+    writes the digest in place of the zeros; they must be exactly the compact JSON of the
+    document (spec §3.1), also when a user value spells the digests' own members."""
+    if trap:
+        metadata = {**metadata, "digests": {"algorithm": "sha256", "root": "0" * 64}}
+    docs = {p: d for p, d in docs.items() if not any(q.startswith(p + "/") for q in docs)}
+    doc = fmt.root_metadata(state="committed", save_id="a" * 30, world_size=1, created="2026-11-26T00:00:00Z",
+                            writer={"zarrckpt": "x"}, tree={"dict": []}, array_docs=docs, metadata=metadata)
+    data = fmt.encode_document(doc)
+    assert data == json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
+    digest = doc["attributes"]["zarrckpt"]["digests"]["root"]
+    assert fmt.root_digest(data, digest) == digest

@@ -27,7 +27,7 @@ import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -152,8 +152,17 @@ def utc_from_us(us: int) -> str:
 def encode_document(doc: Mapping[str, Any]) -> bytes:
     """The exact bytes written for a ``zarr.json`` (spec §3.1): compact JSON, ASCII only
     (other characters as ``\\uXXXX``), members in insertion order, no NaN/Infinity. Digests
-    (§6.6) are over these bytes, so every ``zarr.json`` of a save is written with this."""
+    (§6.6) are over these bytes, so every ``zarr.json`` of a save is written with this.
+    The committed root that :func:`root_metadata` returned last comes from its own
+    encoding (its writer encodes it next; a root is not changed once built)."""
+    last = _last_root  # one read: another thread's save may replace it
+    if doc is last[0]:
+        return last[1]
     return json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii")
+
+
+# the last committed root root_metadata built, and its bytes (see encode_document)
+_last_root: tuple[Any, bytes] = (None, b"")
 
 
 class _Refused(Exception):
@@ -186,6 +195,7 @@ def _float(s: str) -> float:
     return f
 
 
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (ztree.MAX_INT_DIGITS + 1))
 MAX_NESTING = 102  # JSON levels of a document (spec §3.2): the deepest conforming root
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a candidate: the parse result decides
@@ -247,9 +257,11 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
     if depth > MAX_NESTING:
         raise FormatError(f"{where} is nested too deeply: {depth} levels deep; a zarrckpt document has "
                           f"at most {MAX_NESTING} (spec §3.2)")
+    # the integer hook only where some run of digits is longer than an integer may be
+    # (one regex scan; a Python call per integer cost a fifth of parsing a large root)
+    ints = {"parse_int": _int} if _LONG_DIGITS.search(data) is not None else {}
     try:
-        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
-                         parse_int=_int, parse_float=_float)
+        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float, **ints)
     except json.JSONDecodeError as e:
         raise FormatError(f"{where} is not valid JSON: {e}") from None
     except RecursionError:
@@ -481,14 +493,15 @@ def parse_chunk_table(text: Any, doc: Mapping[str, Any], key: str) -> np.ndarray
     C order of its unit grid, checked: a base64 string (RFC 4648, padded, no line breaks)
     of exactly 4 bytes per unit of the array's (validated) metadata ``doc``."""
     where = f"array {key!r}: digests.chunks"
-    _need(isinstance(text, str), where, f"must be a base64 string, found {_json_type(text)}")
+    if not isinstance(text, str):
+        _fail(where, f"must be a base64 string, found {_json_type(text)}")
     try:
         raw = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
         raise FormatError(f"{where} is not a base64 string") from None
     count = math.prod(unit_grid(doc))
-    _need(len(raw) == 4 * count, where,
-          f"holds {len(raw)} bytes, expected 4 per unit: {count} units of {list(unit_shape(doc))}")
+    if not len(raw) == 4 * count:
+        _fail(where, f"holds {len(raw)} bytes, expected 4 per unit: {count} units of {list(unit_shape(doc))}")
     return np.frombuffer(raw, "<u4")
 
 
@@ -617,6 +630,9 @@ def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     return doc
 
 
+_GROUP_BYTES = b'{"zarr_format":3,"node_type":"group"}'
+
+
 def group_paths(keys: Iterable[str]) -> list[str]:
     """The intermediate groups of the arrays at ``keys`` (spec §5.1): every proper prefix
     of a key, sorted; each holds a group ``zarr.json``."""
@@ -720,10 +736,11 @@ def root_metadata(
     if array_docs is None:
         attrs["version"] = "1.0"
         return group_metadata(attrs)
+    encoded = {path: encode_document(array_docs[path]) for path in array_docs}  # once (~15 ms / 1,000)
     attrs["digests"] = {
         "algorithm": DIGEST_ALGORITHM,
         "root": ZERO_DIGEST,
-        "arrays": {path: sha256_hex(encode_document(array_docs[path])) for path in sorted(array_docs)},
+        "arrays": {path: sha256_hex(encoded[path]) for path in sorted(array_docs)},
     }
     if chunk_crcs is None:
         attrs["version"] = "1.2"  # no table of chunk positions (spec §9: the version before it)
@@ -737,7 +754,20 @@ def root_metadata(
                                            "chunks": {p: t for p, t in tables.items() if t is not None}}
     doc = group_metadata(attrs)
     doc["consolidated_metadata"] = consolidated_metadata(array_docs)
-    attrs["digests"]["root"] = sha256_hex(encode_document(doc))
+    # encode_document(doc), put together from the documents' encodings above (compact JSON
+    # is the concatenation of its members'), then the root digest put in place of the zeros
+    head = encode_document(group_metadata(attrs))
+    nodes = [json.dumps(path).encode("ascii") + b":" + (encoded[path] if path in encoded else _GROUP_BYTES)
+             for path in doc["consolidated_metadata"]["metadata"]]
+    data = (head[:-1] + b',"consolidated_metadata":{"kind":"inline","must_understand":false,"metadata":{'
+            + b",".join(nodes) + b"}}}")
+    digest = sha256_hex(data)
+    attrs["digests"]["root"] = digest
+    zeros = f'"digests":{{"algorithm":"{DIGEST_ALGORITHM}","root":"{ZERO_DIGEST}"'.encode("ascii")
+    if head.count(zeros) == 1:  # no user value spells the same: the one is the root's own
+        head = head.replace(zeros, zeros.replace(ZERO_DIGEST.encode("ascii"), digest.encode("ascii")))
+        global _last_root
+        _last_root = (doc, head[:-1] + data[len(head) - 1:])
     return doc
 
 
@@ -826,6 +856,12 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise FormatError(f"{where}: {what}")
 
 
+def _fail(where: str, what: str) -> NoReturn:
+    """The refusal of :func:`_need`, for messages built only when a check fails (checks
+    run once per array of every load: formatting every message cost ~1 µs each)."""
+    raise FormatError(f"{where}: {what}")
+
+
 def _is_int(v: Any, lo: int = 0, hi: int = MAX_INDEX) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
@@ -858,22 +894,26 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     if doc is None:
         raise CheckpointNotFoundError(f"no zarrckpt checkpoint at {url!r} (no zarr.json)")
     where = f"{url}/zarr.json"
-    _need(isinstance(doc, dict), where, f"must be a JSON object, found {_json_type(doc)}")
-    _need(doc.get("zarr_format") == 3 and _is_int(doc.get("zarr_format")), where,
-          f"zarr_format is {doc.get('zarr_format')!r}, not 3")
+    if not isinstance(doc, dict):
+        _fail(where, f"must be a JSON object, found {_json_type(doc)}")
+    if not (doc.get("zarr_format") == 3 and _is_int(doc.get("zarr_format"))):
+        _fail(where, f"zarr_format is {doc.get('zarr_format')!r}, not 3")
     node_type = doc.get("node_type")
     attributes = doc.get("attributes", {})
-    _need(isinstance(attributes, dict), where, f"'attributes' must be an object, found {_json_type(attributes)}")
+    if not isinstance(attributes, dict):
+        _fail(where, f"'attributes' must be an object, found {_json_type(attributes)}")
     if node_type != "group" or ATTR not in attributes:
         raise CheckpointNotFoundError(
             f"{url!r} is a Zarr {node_type if isinstance(node_type, str) else 'node'} but not a "
             f"zarrckpt checkpoint (no '{ATTR}' attributes)")
     attrs = attributes[ATTR]
-    _need(isinstance(attrs, dict), where, f"attributes.{ATTR} must be an object, found {_json_type(attrs)}")
-    _need(attrs.get("format") == FORMAT_NAME, where, f"format is {attrs.get('format')!r}, not {FORMAT_NAME!r}")
+    if not isinstance(attrs, dict):
+        _fail(where, f"attributes.{ATTR} must be an object, found {_json_type(attrs)}")
+    if not attrs.get("format") == FORMAT_NAME:
+        _fail(where, f"format is {attrs.get('format')!r}, not {FORMAT_NAME!r}")
     version = attrs.get("version")
-    _need(isinstance(version, str) and _VERSION.fullmatch(version) is not None, where,
-          f"version must be \"major.minor\", found {version!r}")
+    if not (isinstance(version, str) and _VERSION.fullmatch(version) is not None):
+        _fail(where, f"version must be \"major.minor\", found {version!r}")
     major, minor = (int(x) for x in version.split("."))
     if major != int(FORMAT_VERSION.split(".")[0]):
         raise FormatError(
@@ -884,13 +924,14 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         raise IncompleteCheckpointError(
             f"checkpoint {url!r} is incomplete: its save (id {attrs.get('save_id')}, started "
             f"{attrs.get('created')}) was interrupted or is still running; it was never committed")
-    _need(state == "committed", where, f"unknown state {state!r}")
+    if not state == "committed":
+        _fail(where, f"unknown state {state!r}")
     digests = attrs.get("digests")
     if digests is not None or minor >= 1:
-        _need(isinstance(digests, dict), where,
-              f"a committed root of version {version} must record 'digests' (spec §6.6)")
-        _need(digests.get("algorithm") == DIGEST_ALGORITHM, where,
-              f"digests.algorithm is {digests.get('algorithm')!r}, not {DIGEST_ALGORITHM!r}")
+        if not isinstance(digests, dict):
+            _fail(where, f"a committed root of version {version} must record 'digests' (spec §6.6)")
+        if not digests.get("algorithm") == DIGEST_ALGORITHM:
+            _fail(where, f"digests.algorithm is {digests.get('algorithm')!r}, not {DIGEST_ALGORITHM!r}")
         claimed = digests.get("root")
         _need(isinstance(claimed, str) and _HEX64.fullmatch(claimed) is not None, where,
               "digests.root must be 64 lower-case hex digits")
@@ -900,22 +941,26 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         _need(isinstance(arr, dict) and all(isinstance(v, str) and _HEX64.fullmatch(v) for v in arr.values()),
               where, "digests.arrays must map array paths to 64 lower-case hex digits")
     save_id = attrs.get("save_id")
-    _need(isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id) is not None, where,
-          f"save_id must be 16 to 64 lower-case hex digits, found {save_id!r}")
+    if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id) is not None):
+        _fail(where, f"save_id must be 16 to 64 lower-case hex digits, found {save_id!r}")
     ws = attrs.get("world_size")
-    _need(_is_int(ws, 1), where, f"bad world_size {ws!r}")
+    if not _is_int(ws, 1):
+        _fail(where, f"bad world_size {ws!r}")
     for name in ("created", "committed"):
-        _need(_timestamp(attrs.get(name)), where, f"{name} must be a UTC time like "
+        if not _timestamp(attrs.get(name)):
+            _fail(where, f"{name} must be a UTC time like "
               f"2026-11-26T04:58:20.396513Z, found {attrs.get(name)!r}")
     writer = attrs.get("writer")
     _need(isinstance(writer, dict) and all(isinstance(v, str) for v in writer.values()), where,
           "writer must be an object of version strings")
     num_arrays = attrs.get("num_arrays")
-    _need(_is_int(num_arrays), where, f"num_arrays must be an integer >= 0, found {num_arrays!r}")
+    if not _is_int(num_arrays):
+        _fail(where, f"num_arrays must be an integer >= 0, found {num_arrays!r}")
     metadata = attrs.get("metadata")
     _need(minor >= 1 or metadata is None, where, "a root of version 1.0 has no 'metadata' (spec §6.1: since 1.1)")
     if metadata is not None:
-        _need(isinstance(metadata, dict), where, f"metadata must be an object, found {_json_type(metadata)}")
+        if not isinstance(metadata, dict):
+            _fail(where, f"metadata must be an object, found {_json_type(metadata)}")
         try:
             ztree.parse_tree({"dict": [["metadata", {"json": metadata}]]})
         except FormatError as e:
@@ -928,11 +973,11 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
             paths.add(key)
         elif "packed" in node:
             packed = parse_packed(node["packed"], key)
-            _need(minor >= 1 or packed.kind not in _KINDS_SINCE_1_1, where,
-                  f"packed leaf {key!r}: kind {packed.kind!r} does not exist in format 1.0")
+            if not (minor >= 1 or packed.kind not in _KINDS_SINCE_1_1):
+                _fail(where, f"packed leaf {key!r}: kind {packed.kind!r} does not exist in format 1.0")
             paths.add(packed.metadata["pack"])
-    _need(num_arrays == len(paths), where,
-          f"num_arrays is {num_arrays} but the tree names {len(paths)} arrays (array nodes and packs)")
+    if not num_arrays == len(paths):
+        _fail(where, f"num_arrays is {num_arrays} but the tree names {len(paths)} arrays (array nodes and packs)")
     array_digests = None
     if digests is not None:
         array_digests = dict(digests["arrays"])
@@ -946,8 +991,8 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     chunk_tables = None
     if minor >= 3:
         chunk_tables = digests.get("chunks")
-        _need(isinstance(chunk_tables, dict) and all(isinstance(v, str) for v in chunk_tables.values()), where,
-              f"a committed root of version {version} must record digests.chunks, an object of base64 "
+        if not (isinstance(chunk_tables, dict) and all(isinstance(v, str) for v in chunk_tables.values())):
+            _fail(where, f"a committed root of version {version} must record digests.chunks, an object of base64 "
               "strings (spec §6.6)")
         _lists_the_arrays(chunk_tables, paths, where, "digests.chunks", "a table")
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
@@ -975,13 +1020,13 @@ def _parse_consolidated(cm: Any, paths: set[str], minor: int, where: str) -> dic
                           + (f"; missing: {missing[:5]}" if missing else ""))
     for path, node in nodes.items():
         kind = "array" if path in paths else "group"
-        _need(isinstance(node, dict) and node.get("node_type") == kind and node.get("zarr_format") == 3
-              and _is_int(node.get("zarr_format")), where,
-              f"consolidated_metadata entry {path!r} must be the {kind} document of {path!r}")
+        if not (isinstance(node, dict) and node.get("node_type") == kind and node.get("zarr_format") == 3
+              and _is_int(node.get("zarr_format"))):
+            _fail(where, f"consolidated_metadata entry {path!r} must be the {kind} document of {path!r}")
         if kind == "group":  # spec §6.7: a group below the root is never a checkpoint; the rest is ignored
             attributes = node.get("attributes", {})
-            _need(isinstance(attributes, dict) and ATTR not in attributes, where,
-                  f"consolidated_metadata entry {path!r}: a group document has no '{ATTR}' attributes")
+            if not (isinstance(attributes, dict) and ATTR not in attributes):
+                _fail(where, f"consolidated_metadata entry {path!r}: a group document has no '{ATTR}' attributes")
     return nodes
 
 
@@ -1019,26 +1064,32 @@ def parse_packed(desc: Any, key: str) -> ArrayInfo:
     where = f"packed leaf {key!r}"
     _need(isinstance(desc, dict), where, "descriptor must be an object")
     members = {"pack", "offset", "nbytes", "kind", "data_type", "shape"}
-    _need(set(desc) == members, where, f"descriptor must have exactly the members {sorted(members)}, "
+    if not set(desc) == members:
+        _fail(where, f"descriptor must have exactly the members {sorted(members)}, "
           f"found {sorted(desc)}")
     pack = desc["pack"]
-    _need(isinstance(pack, str) and _PACK_PATH.fullmatch(pack) is not None, where,
-          f"pack must be '.packs/<n>', found {pack!r}")
-    _need(_is_int(desc["offset"]) and desc["offset"] % 8 == 0, where,
-          f"offset must be an integer >= 0 and a multiple of 8, found {desc['offset']!r}")
-    _need(_is_int(desc["nbytes"]), where, f"nbytes must be an integer >= 0, found {desc['nbytes']!r}")
-    _need(desc["kind"] in PACKED_KINDS, where, f"unknown packed kind {desc['kind']!r}")
+    if not (isinstance(pack, str) and _PACK_PATH.fullmatch(pack) is not None):
+        _fail(where, f"pack must be '.packs/<n>', found {pack!r}")
+    if not (_is_int(desc["offset"]) and desc["offset"] % 8 == 0):
+        _fail(where, f"offset must be an integer >= 0 and a multiple of 8, found {desc['offset']!r}")
+    if not _is_int(desc["nbytes"]):
+        _fail(where, f"nbytes must be an integer >= 0, found {desc['nbytes']!r}")
+    if not desc["kind"] in PACKED_KINDS:
+        _fail(where, f"unknown packed kind {desc['kind']!r}")
     dt = _dtype(desc["data_type"], where)
     shape = desc["shape"]
-    _need(_int_list(shape, 0), where, f"bad shape {shape!r}")
+    if not _int_list(shape, 0):
+        _fail(where, f"bad shape {shape!r}")
     if desc["kind"] in BYTE_KINDS:
-        _need(dt.zarr == "uint8" and len(shape) == 1, where, f"{desc['kind']} must be 1-d uint8")
+        if not (dt.zarr == "uint8" and len(shape) == 1):
+            _fail(where, f"{desc['kind']} must be 1-d uint8")
     _need(math.prod(shape) * dt.numpy.itemsize == desc["nbytes"], where, "nbytes disagrees with shape")
     return ArrayInfo(key, desc["kind"], tuple(shape), dt, tuple(shape), None, None, None, dict(desc))
 
 
 def _dtype(name: Any, where: str) -> dtypes.DType:
-    _need(isinstance(name, str), where, f"data_type must be a name, found {name!r:.40}")
+    if not isinstance(name, str):
+        _fail(where, f"data_type must be a name, found {name!r:.40}")
     try:
         return dtypes.by_zarr(name)
     except UnsupportedValueError as e:
@@ -1062,30 +1113,35 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
     if doc is None:
         raise CorruptChunkError(f"array {key!r} is listed in the checkpoint but its zarr.json is missing")
     where = f"array {key!r}"
-    _need(isinstance(doc, dict), where, f"zarr.json must be an object, found {_json_type(doc)}")
+    if not isinstance(doc, dict):
+        _fail(where, f"zarr.json must be an object, found {_json_type(doc)}")
     _need(_is_int(doc.get("zarr_format")) and doc.get("zarr_format") == 3 and doc.get("node_type") == "array",
           where, "not a Zarr v3 array")
     for name in doc:
         if name not in _ARRAY_MEMBERS and name != "storage_transformers":
             ext = doc[name]
-            _need(isinstance(ext, dict) and ext.get("must_understand") is False, where,
-                  f"unknown member {name!r} (only extensions with \"must_understand\": false are ignored)")
+            if not (isinstance(ext, dict) and ext.get("must_understand") is False):
+                _fail(where, f"unknown member {name!r} (only extensions with \"must_understand\": false are ignored)")
     _need(doc.get("storage_transformers", []) == [], where, "storage transformers are not supported")
     for name in _ARRAY_MEMBERS[:-1]:
-        _need(name in doc, where, f"member {name!r} is missing")
+        if not name in doc:
+            _fail(where, f"member {name!r} is missing")
     dt = _dtype(doc["data_type"], where)
     shape = doc["shape"]
-    _need(_int_list(shape, 0), where, f"shape must be at most {MAX_RANK} integers >= 0, found {shape!r:.80}")
-    _need(math.prod(shape) * dt.numpy.itemsize <= MAX_INDEX, where, f"shape {shape} is too large")
+    if not _int_list(shape, 0):
+        _fail(where, f"shape must be at most {MAX_RANK} integers >= 0, found {shape!r:.80}")
+    if not math.prod(shape) * dt.numpy.itemsize <= MAX_INDEX:
+        _fail(where, f"shape {shape} is too large")
     ndim = len(shape)
     grid = doc["chunk_grid"]
     _need(isinstance(grid, dict) and set(grid) <= {"name", "configuration"} and grid.get("name") == "regular"
           and isinstance(grid.get("configuration"), dict) and set(grid["configuration"]) == {"chunk_shape"},
           where, "chunk_grid must be {\"name\": \"regular\", \"configuration\": {\"chunk_shape\": [...]}}")
     chunk = grid["configuration"]["chunk_shape"]
-    _need(_int_list(chunk, 1) and len(chunk) == ndim, where, f"bad chunk_shape {chunk!r:.80}")
-    _need(all(c <= max(s, 1) for c, s in zip(chunk, shape)), where,
-          f"chunk_shape {chunk} is larger than the shape {shape}")
+    if not (_int_list(chunk, 1) and len(chunk) == ndim):
+        _fail(where, f"bad chunk_shape {chunk!r:.80}")
+    if not all(c <= max(s, 1) for c, s in zip(chunk, shape)):
+        _fail(where, f"chunk_shape {chunk} is larger than the shape {shape}")
     cke = doc["chunk_key_encoding"]
     _need(isinstance(cke, dict) and set(cke) <= {"name", "configuration"} and cke.get("name") == "default"
           and cke.get("configuration", {"separator": "/"}) == {"separator": "/"}, where,
@@ -1097,32 +1153,37 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
                             and all(n is None or isinstance(n, str) for n in names)), where,
           "dimension_names must be null or one string (or null) per dimension")
     attributes = doc["attributes"]
-    _need(isinstance(attributes, dict), where, f"attributes must be an object, found {_json_type(attributes)}")
+    if not isinstance(attributes, dict):
+        _fail(where, f"attributes must be an object, found {_json_type(attributes)}")
     attrs = attributes.get(ATTR)
-    _need(isinstance(attrs, dict), where, f"no '{ATTR}' attributes object")
+    if not isinstance(attrs, dict):
+        _fail(where, f"no '{ATTR}' attributes object")
     sid = attrs.get("save_id")
-    _need(isinstance(sid, str) and _SAVE_ID.fullmatch(sid) is not None, where, f"bad save_id {sid!r}")
+    if not (isinstance(sid, str) and _SAVE_ID.fullmatch(sid) is not None):
+        _fail(where, f"bad save_id {sid!r}")
     if save_id is not None and sid != save_id:
         raise FormatError(
             f"{where} belongs to save {sid!r}, not to this checkpoint's save "
             f"{save_id!r}: the directory mixes two saves")
-    _need("torch_dtype" not in attrs or attrs["torch_dtype"] == dt.torch, where,
-          f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
+    if not ("torch_dtype" not in attrs or attrs["torch_dtype"] == dt.torch):
+        _fail(where, f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
     kind = attrs.get("kind")
-    _need(kind in ARRAY_KINDS, where, f"unknown kind {kind!r}")
-    _need(not (version == "1.0" and kind in _KINDS_SINCE_1_1), where,
-          f"kind {kind!r} does not exist in format 1.0 (the root says 1.0)")
+    if not kind in ARRAY_KINDS:
+        _fail(where, f"unknown kind {kind!r}")
+    if not (not (version == "1.0" and kind in _KINDS_SINCE_1_1)):
+        _fail(where, f"kind {kind!r} does not exist in format 1.0 (the root says 1.0)")
     if pack is not None:
         _need((kind == "pack") == pack, where,
               "a pack array must have kind 'pack'" if pack else "kind 'pack' at a key's array path")
     if kind in BYTE_KINDS:
-        _need(dt.zarr == "uint8" and ndim == 1, where, f"kind {kind!r} must be a 1-d uint8 array")
+        if not (dt.zarr == "uint8" and ndim == 1):
+            _fail(where, f"kind {kind!r} must be a 1-d uint8 array")
     mesh_shape = names_ = placements = None
     if kind in MESH_KINDS:
         mesh_shape, names_, placements = _parse_mesh(attrs, kind, ndim, where)
     else:
-        _need("mesh" not in attrs and "placements" not in attrs, where,
-              f"kind {kind!r} has no mesh or placements")
+        if not ("mesh" not in attrs and "placements" not in attrs):
+            _fail(where, f"kind {kind!r} has no mesh or placements")
     clean = {name: doc[name] for name in _ARRAY_MEMBERS if name in doc}
     return ArrayInfo(key, kind, tuple(shape), dt, tuple(chunk), mesh_shape, names_, placements,
                      clean, inner)
@@ -1130,9 +1191,11 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
 
 def _parse_mesh(attrs: dict, kind: str, ndim: int, where: str):
     mesh = attrs.get("mesh")
-    _need(isinstance(mesh, dict), where, f"a {kind} needs a 'mesh' object")
+    if not isinstance(mesh, dict):
+        _fail(where, f"a {kind} needs a 'mesh' object")
     shape = mesh.get("shape")
-    _need(_int_list(shape, 1) and len(shape) >= 1, where, f"bad mesh shape {shape!r:.80}")
+    if not (_int_list(shape, 1) and len(shape) >= 1):
+        _fail(where, f"bad mesh shape {shape!r:.80}")
     names = mesh.get("dim_names")
     _need(names is None or (isinstance(names, list) and len(names) == len(shape)
                             and all(isinstance(n, str) for n in names)), where,
@@ -1161,14 +1224,17 @@ _PLACEMENT_MEMBERS = {"shard": {"type", "dim"}, "strided_shard": {"type", "dim",
 
 
 def _check_placement(p: Any, ndim: int, where: str) -> None:
-    _need(isinstance(p, dict) and p.get("type") in _PLACEMENT_MEMBERS, where, f"bad placement {p!r:.80}")
-    _need(set(p) == _PLACEMENT_MEMBERS[p["type"]], where,
-          f"placement {p['type']!r} must have exactly the members {sorted(_PLACEMENT_MEMBERS[p['type']])}")
+    if not (isinstance(p, dict) and p.get("type") in _PLACEMENT_MEMBERS):
+        _fail(where, f"bad placement {p!r:.80}")
+    if not set(p) == _PLACEMENT_MEMBERS[p["type"]]:
+        _fail(where, f"placement {p['type']!r} must have exactly the members {sorted(_PLACEMENT_MEMBERS[p['type']])}")
     if "dim" in p:
-        _need(_is_int(p["dim"], 0, ndim - 1), where, f"placement dim {p['dim']!r} is not a dimension of "
+        if not _is_int(p["dim"], 0, ndim - 1):
+            _fail(where, f"placement dim {p['dim']!r} is not a dimension of "
               f"this {ndim}-d array")
     if "split_factor" in p:
-        _need(_is_int(p["split_factor"], 1), where, f"bad split_factor {p['split_factor']!r}")
+        if not _is_int(p["split_factor"], 1):
+            _fail(where, f"bad split_factor {p['split_factor']!r}")
 
 
 def _float_fill(v: Any) -> bool:
@@ -1195,7 +1261,8 @@ def _check_fill(v: Any, dt: dtypes.DType, where: str) -> None:
         ok = _float_fill(v)
         if ok and isinstance(v, str) and v.startswith("0x"):
             ok = len(v) == 2 + 2 * dt.numpy.itemsize
-    _need(ok, where, f"fill_value {v!r:.40} is not a {dt.zarr} value")
+    if not ok:
+        _fail(where, f"fill_value {v!r:.40} is not a {dt.zarr} value")
 
 
 def _check_chain(codecs: Any, dt: dtypes.DType, where: str) -> None:
@@ -1218,7 +1285,8 @@ def _check_chain(codecs: Any, dt: dtypes.DType, where: str) -> None:
             ok = set(c["configuration"]) == {"level"} and _is_int(c["configuration"]["level"], 0, 9)
         else:
             ok = False
-        _need(ok, where, f"unsupported compression codec {c!r:.80} (zstd or gzip only)")
+        if not ok:
+            _fail(where, f"unsupported compression codec {c!r:.80} (zstd or gzip only)")
 
 
 def _check_codecs(codecs: Any, chunk: tuple[int, ...], dt: dtypes.DType, where: str) -> tuple[int, ...] | None:
@@ -1232,9 +1300,9 @@ def _check_codecs(codecs: Any, chunk: tuple[int, ...], dt: dtypes.DType, where: 
               <= {"chunk_shape", "codecs", "index_codecs", "index_location"}, where,
               "sharding_indexed needs exactly chunk_shape, codecs, index_codecs (and index_location)")
         inner = cfg["chunk_shape"]
-        _need(_int_list(inner, 1) and len(inner) == len(chunk) and len(chunk) > 0
-              and all(c % i == 0 for c, i in zip(chunk, inner)), where,
-              f"inner chunk_shape {inner!r:.80} must divide the chunk shape {list(chunk)}")
+        if not (_int_list(inner, 1) and len(inner) == len(chunk) and len(chunk) > 0
+              and all(c % i == 0 for c, i in zip(chunk, inner))):
+            _fail(where, f"inner chunk_shape {inner!r:.80} must divide the chunk shape {list(chunk)}")
         _check_chain(cfg["codecs"], dt, where)
         _need(cfg["index_codecs"] == PLAIN_CODECS, where,
               "index_codecs must be [bytes (little endian), crc32c]")
