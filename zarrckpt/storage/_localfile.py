@@ -343,6 +343,9 @@ def _sub(a: np.ndarray, box: Box, origin: tuple[int, ...]) -> np.ndarray:
     return a[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin))] if box else a
 
 
+_HASH_SLICE = 1 << 20  # incremental saves: bytes checksummed and hashed at once (_digest)
+
+
 def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
@@ -416,14 +419,35 @@ class LocalArray(Array):
                 self._write_whole(path, index, origin, data, present, slot, crcs, known)
             self._pool.submit(group.run, whole)
             return group.future
-        known = None
-        if record is not None:  # a big chunk: hashed here (~20 GB/s), its pieces written in parallel
-            try:
-                known = self._link_or_write(record, index, origin, data, present, crcs)
-                if known is None:
-                    return _Group(0).future
-            except OSError as e:
-                return _failed(e)
+        if record is not None:
+            # a big chunk of an incremental save: checked in a pool task (the checks of
+            # several chunks run at once; in the caller's thread they ran one by one, ~100
+            # ms per GiB on one core), then linked, or its pieces written in parallel
+            outer: cf.Future = cf.Future()
+
+            def check() -> None:
+                try:
+                    known = self._link_or_write(record, index, origin, data, present, crcs)
+                    if known is None:
+                        outer.set_result(None)
+                        return
+                    inner = self._write_pieces(path, index, origin, data, present, slot, pieces, crcs, known)
+                except BaseException as e:  # noqa: BLE001 - handed to the future
+                    outer.set_exception(e)
+                    return
+                inner.add_done_callback(
+                    lambda f: outer.set_result(None) if f.exception() is None else outer.set_exception(f.exception()))
+            self._pool.submit(check)
+            return outer
+        return self._write_pieces(path, index, origin, data, present, slot, pieces, crcs, None)
+
+    def _write_pieces(self, path: str, index: tuple[int, ...], origin: tuple[int, ...], data: np.ndarray,
+                      present: list, slot: dict, pieces: list, crcs: np.ndarray | None,
+                      known: np.ndarray | None) -> cf.Future:
+        """Create a big chunk's file and write its ``pieces`` (of inner chunks) in parallel
+        pool tasks, then its shard index; fsynced when asked."""
+        c = self.codec
+        enc = c.inner_nbytes + 4
         try:
             self._create(path, len(present) * enc + c.index_nbytes)
         except OSError as e:  # reported through the future, like the writes' own errors
@@ -522,10 +546,15 @@ class LocalArray(Array):
         shape = tuple(len({j[d] for j in present}) for d in range(len(self.codec.inner)))
         unit_crcs = np.zeros(shape, np.uint32)
 
-        def each():
+        def each():  # CRC and hash over each MiB while it is in cache: ~25 % less time (2 cores)
             for j, body in self._bodies(index, origin, data, present):
-                unit_crcs[j] = crc32c.crc32c(body)
-                yield body
+                body = memoryview(body).cast("B")
+                value = 0
+                for at in range(0, len(body), _HASH_SLICE):
+                    part = body[at:at + _HASH_SLICE]
+                    value = crc32c.crc32c(part, value)
+                    yield part
+                unit_crcs[j] = value
         from . import content
         digest = content.chunk_hash(each())
         return digest, unit_crcs
