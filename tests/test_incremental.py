@@ -377,3 +377,37 @@ def test_diff_tells_unchanged_arrays_from_the_recorded_hashes(tmp_path):
     before = _localfile.counters()["bytes_read"]
     assert zi.diff(str(tmp_path / "b"), str(plain), jobs=1).same
     assert _localfile.counters()["bytes_read"] - before >= 2 * 10 * 256 * 1024 * 4
+
+
+def test_open_run_tells_unchanged_arrays_and_reads_them_once(tmp_path):
+    """open_run over an incremental run (issue 31 item 4): each variable's
+    ``same_as_previous`` comes from the roots alone, and a reduction over the steps reads a
+    frozen array's chunks once, not once per step; the values are every step's own."""
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    sd = _state()
+    adapters = []
+    with zarrckpt.CheckpointManager(tmp_path / "run", incremental=True) as mgr:
+        for step in (1, 2, 3):
+            sd["adapter"]["a"] += 1
+            adapters.append(sd["adapter"]["a"].clone())
+            mgr.save(step, sd)
+    ds = zarrckpt.open_run(tmp_path / "run")
+    assert ds["frozen/w0"].attrs["same_as_previous"] == [-1, 1, 1]
+    assert ds["adapter/a"].attrs["same_as_previous"] == [-1, 0, 0]
+    before = zarrckpt.storage.io_counters()["bytes_read"]
+    frozen = ds[[f"frozen/w{i}" for i in range(9)]]
+    sums = frozen.sum([d for d in frozen.dims if d != "step"]).compute()
+    read = zarrckpt.storage.io_counters()["bytes_read"] - before
+    assert 9 * 256 * 1024 * 4 <= read < 2 * 9 * 256 * 1024 * 4, read  # once, not three times
+    for i in range(9):
+        want = float(sd["frozen"][f"w{i}"].double().sum())
+        assert sums[f"frozen/w{i}"].values == pytest.approx([want] * 3, rel=1e-5)
+    got = ds["adapter/a"].values
+    for k in range(3):
+        assert np.array_equal(got[k], adapters[k].numpy())
+    # a run saved without hashes cannot tell: every step is read
+    with zarrckpt.CheckpointManager(tmp_path / "plain") as mgr:
+        for step in (1, 2):
+            mgr.save(step, sd)
+    assert zarrckpt.open_run(tmp_path / "plain")["frozen/w0"].attrs["same_as_previous"] == [-1, -1]

@@ -15,6 +15,13 @@ Each variable is a dask array whose chunks are the stored chunks, read through
 TensorStore (CRC-32C checked, missing chunks are errors): a reduction over a run reads
 each chunk of each checkpoint once. ``bytes`` leaves and values are left out.
 
+Unchanged values are known without reading them: each run variable's attribute
+``same_as_previous`` holds, per step, 1 where the array's recorded content hashes and
+unit CRC-32Cs (checkpoints saved with ``content_hashes=True`` or incrementally, spec
+§6.6.2) say it holds the values of the step before, 0 where they differ, -1 where the
+roots cannot tell; the steps marked 1 reuse the step before's chunks in the dask graph,
+so a reduction over a run reads a frozen array once, not once per step.
+
 Coordinates: ``step``; ``path`` (each checkpoint's URL); ``metrics/<name>`` for every
 metric the saves recorded as a number in every checkpoint
 (``CheckpointManager.save(metrics=)``).
@@ -40,6 +47,7 @@ import numpy as np
 from ..format import documents as fmt
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, ShapeMismatchError
 from ..readers.checkpoint import Checkpoint
+from ..readers.previous import content_tables, same_content
 from ..readers.dataset import selected_keys, to_dataset, variable_attrs, xarray_module
 from ..storage import StorageOptions, open_storage
 
@@ -149,9 +157,13 @@ def open_run(paths_or_dir: Any, *, keys: Iterable[str] | None = None,
                 raise ShapeMismatchError(msg)
             skipped.append(msg)
             continue
-        data = da.stack([a.dask() for a in arrays])
+        same = _same_as_previous(cks, k)
+        parts = [arrays[0].dask()]
+        for a, s in zip(arrays[1:], same[1:]):
+            parts.append(parts[-1] if s == 1 else a.dask())  # the same values: read once
+        data = da.stack(parts)
         variables[k] = xr.Variable(("step", *(f"{k}.{d}" for d in range(first.ndim))), data,
-                                   attrs=variable_attrs(first.info, k))
+                                   attrs={**variable_attrs(first.info, k), "same_as_previous": same})
     if skipped:
         warnings.warn(f"open_run left out {len(skipped)} array(s): " + "; ".join(skipped[:5])
                       + ("; ..." if len(skipped) > 5 else ""), stacklevel=2)
@@ -163,6 +175,21 @@ def open_run(paths_or_dir: Any, *, keys: Iterable[str] | None = None,
         if coord not in variables and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             coords[coord] = ("step", np.asarray(values, dtype=np.float64))
     return xr.Dataset(variables, coords=coords)
+
+
+def _same_as_previous(cks: Sequence[Checkpoint], key: str) -> list[int]:
+    """Per checkpoint of a run, whether array ``key`` holds the values it held in the one
+    before, known from the roots alone (no chunk read): 1 the same (both roots record the
+    same content hashes and unit CRC-32Cs and the same chunk-deciding metadata: the two
+    checks of an incremental save, spec §7.9), 0 different, -1 unknown (the first
+    checkpoint, a root without content hashes, a packed leaf)."""
+    out = [-1]
+    for a, b in zip(cks, cks[1:]):
+        if content_tables(a, key) is None or content_tables(b, key) is None:
+            out.append(-1)
+        else:
+            out.append(1 if same_content(a, b, key) else 0)
+    return out
 
 
 def _is_checkpoint_dir(path: str) -> bool:
