@@ -411,3 +411,23 @@ def test_open_run_tells_unchanged_arrays_and_reads_them_once(tmp_path):
         for step in (1, 2):
             mgr.save(step, sd)
     assert zarrckpt.open_run(tmp_path / "plain")["frozen/w0"].attrs["same_as_previous"] == [-1, -1]
+
+
+def test_stats_over_an_incremental_run_reads_unchanged_arrays_once(tmp_path):
+    """zarrckpt stats over a run: an array the roots' recorded hashes say is unchanged since
+    the step before takes that step's statistics without a read (issue 31 item 4); every
+    step's numbers equal those of that checkpoint alone."""
+    sd = _state()
+    with zarrckpt.CheckpointManager(tmp_path / "run", incremental=True) as mgr:
+        for step in (1, 2, 3):
+            sd["adapter"]["a"] += 1
+            mgr.save(step, sd)
+    before = _localfile.counters()["bytes_read"]
+    run = zi.stats(str(tmp_path / "run"), jobs=1)
+    read = _localfile.counters()["bytes_read"] - before
+    one_step = 10 * 256 * 1024 * 4
+    assert one_step <= read < one_step + 3 * 256 * 1024 * 4, read  # step 1 whole, then the adapter
+    for step, got in zip((1, 2, 3), run):
+        alone = zi.stats(str(tmp_path / "run" / f"step_{step:08d}"), jobs=1)[0]
+        assert [(t.key, t.mean, t.std, t.min, t.max) for t in got.tensors] == \
+            [(t.key, t.mean, t.std, t.min, t.max) for t in alone.tensors]

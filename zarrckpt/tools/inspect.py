@@ -729,7 +729,9 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
     checkpoint, of a run directory (every committed checkpoint under it, see :func:`ls`),
     or of a list of checkpoints, computed chunk by chunk: one :class:`CheckpointStats`
     per checkpoint, in step order. A pattern of ``keys`` that selects no such array of
-    any of them raises :class:`MissingKeysError`."""
+    any of them raises :class:`MissingKeysError`. In a run, an array whose recorded content
+    hashes and unit CRC-32Cs say it is unchanged since the checkpoint before (incremental
+    saves) is not read again: it takes that checkpoint's statistics."""
     run = _run(paths, storage)
     keep = key_filter(keys)
     work: list[tuple[int, Checkpoint, str, fmt.ArrayInfo]] = []
@@ -741,7 +743,14 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
     where = run[0][1].url if len(run) == 1 else f"{len(run)} checkpoints ({run[0][1].url} ... {run[-1][1].url})"
     _check_selects(keys, [k for *_, k, _ in work], where, what="array",
                    known=list(dict.fromkeys(k for _, ck in run for k in ck.array_keys())))
-    total = sum(_nbytes(a) for *_, a in work)
+    # an array whose recorded content hashes say it holds the values of the step before
+    # (incremental runs, spec §6.6.2) is not read again: it has that step's statistics
+    same = {(i, k) for i, ck, k, a in work
+            if i > 0 and a.kind != "pack" and same_content(run[i - 1][1], ck, k)}
+    held = {(i, k) for i, _, k, _ in work}
+    same = {(i, k) for i, k in same if (i - 1, k) in held}
+    todo = [w for w in work if (w[0], w[2]) not in same]
+    total = sum(_nbytes(a) for *_, a in todo)
 
     def one(item: tuple[int, Checkpoint, str, fmt.ArrayInfo]) -> TensorStats:
         _, ck, k, a = item
@@ -752,13 +761,15 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
 
     found: dict[tuple[int, str], TensorStats] = {}
     done = 0
-    for n, (item, s) in enumerate(parallel(one, work, jobs), 1):
+    for n, (item, s) in enumerate(parallel(one, todo, jobs), 1):
         found[item[0], item[2]] = s
         done += _nbytes(item[3])
         if progress is not None:
-            progress(Progress(item[2], done, total, n, len(work)))
+            progress(Progress(item[2], done, total, n, len(todo)))
     out = [CheckpointStats(ck.url, step) for step, ck in run]
-    for i, _, k, _ in work:
+    for i, _, k, _ in work:  # in step order: the step before's statistics are there already
+        if (i, k) in same:
+            found[i, k] = found[i - 1, k]
         out[i].tensors.append(found[i, k])
     return out
 
