@@ -265,3 +265,62 @@ def test_dcp_storage_writer_and_jax_save_record_positions(tmp_path):
     zjax.save({"a": jax.numpy.arange(12.0)}, str(tmp_path / "j"))
     doc = json.loads((tmp_path / "j" / "zarr.json").read_bytes())["attributes"]["zarrckpt"]
     assert set(doc["digests"]["chunks"]) == {"a"}
+
+
+def test_checked_reads_of_unaligned_boxes_keep_their_unit_buffers_within_the_bound(tmp_path, monkeypatch):
+    """A checked TensorStore read (format 1.3) of a box that does not start and end on unit
+    boundaries goes through a buffer of the whole units. A reshard onto shards smaller than
+    a unit counted only the box against ``max_inflight_bytes``: 1,024 one-row reads of
+    64 KiB units held 64 MiB under a 1 MiB bound. The load now counts the units."""
+    import threading
+    import time
+    import weakref
+
+    from zarrckpt.api.load import _Reads
+    from zarrckpt.readers.checkpoint import Checkpoint
+    from zarrckpt.storage import _tensorstore
+
+    w = torch.arange(4096 * 64, dtype=torch.float32).reshape(4096, 64)
+    zarrckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=64 << 10)
+    ck = Checkpoint(str(tmp_path / "c"), zarrckpt.StorageOptions(chunk_io="tensorstore"))
+    info = ck.array_info("w")
+    unit = info.inner_chunk_shape or info.chunk_shape
+    assert unit[0] > 4, unit  # a unit spans several of the rows read below
+
+    live, peak, lock = [0], [0], threading.Lock()
+    orig = _tensorstore._unit_buffer
+
+    def tracked(shape, dtype):
+        buf = orig(shape, dtype)
+        with lock:
+            live[0] += buf.nbytes
+            peak[0] = max(peak[0], live[0])
+
+        def gone(n=buf.nbytes):
+            with lock:
+                live[0] -= n
+        weakref.finalize(buf, gone)
+        return buf
+
+    check = _tensorstore.TensorStoreArray._check_units
+
+    def slow_check(self, whole, data):
+        time.sleep(0.002)  # checks finish after the next reads are issued
+        return check(self, whole, data)
+
+    monkeypatch.setattr(_tensorstore, "_unit_buffer", tracked)
+    monkeypatch.setattr(_tensorstore.TensorStoreArray, "_check_units", slow_check)
+    out = torch.zeros(4096, 64)
+    rows = range(1, 4096, 4)
+    limit = 1 << 20
+    with _Reads(ck, 1, limit) as reads:
+        reads.add("w", info, [(((r, r + 1), (0, 64)), ((r, r + 1), (0, 64))) for r in rows], out)
+        reads.finish()
+    for r in rows:
+        assert torch.equal(out[r], w[r])
+    # each one-row read holds the whole units of its row; a few may outlive their reads'
+    # accounting by a moment (their check tasks are returning)
+    from zarrckpt.format.layout import unit_elements
+
+    held = unit_elements(((1, 2), (0, 64)), unit, (4096, 64)) * 4
+    assert 0 < peak[0] <= limit + 4 * held, (peak[0], limit, held)

@@ -502,9 +502,13 @@ class _Reads:
             self.bytes_fetched += unit_elements(gbox, unit, info.shape) * itemsize
             for pg, pl in _pieces(gbox, lbox, unit, itemsize,
                                   self.piece_bytes if direct else self.stage_piece_bytes):
+                # in flight: the whole units the piece touches, which a checked TensorStore
+                # read of an unaligned piece allocates beside the target (reshards onto
+                # shards smaller than a unit counted a row where a unit was held)
+                cost = unit_elements(pg, unit, info.shape) * itemsize
                 if direct:  # straight into the target
                     view = base[_slices(pl)] if pl else base
-                    self.pending.add(key, self.ckpt.read_into(key, pg, view), view.nbytes)
+                    self.pending.add(key, self.ckpt.read_into(key, pg, view), max(view.nbytes, cost))
                     continue
                 # piece by piece through the staging arena, then copied (and cast): whole
                 # stored inner chunks as they lie in the file where the piece is made of them
@@ -517,7 +521,7 @@ class _Reads:
                     self.pending.add(key, self.ckpt.read_tiles(key, pg, view), view.nbytes)
                     continue
                 view = self._staging(tuple(b - a for a, b in pg), info, local, pl)
-                self.pending.add(key, self.ckpt.read_into(key, pg, view), view.nbytes)
+                self.pending.add(key, self.ckpt.read_into(key, pg, view), max(view.nbytes, cost))
 
     def _staging(self, shape: tuple[int, ...], info: Any, target: torch.Tensor, pl: tuple,
                  tiling: tuple | None = None) -> np.ndarray | None:

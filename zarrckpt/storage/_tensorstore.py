@@ -649,7 +649,7 @@ class TensorStoreArray(Array):
             return ts.array(out, copy=False, write=True).write(self._region(box))
         u = self._units
         whole = tuple((a - a % n, min(-(-b // n) * n, s)) for (a, b), n, s in zip(box, u.inner, u.shape))
-        into = out if whole == box else np.empty([b - a for a, b in whole], u.dtype)
+        into = out if whole == box else _unit_buffer([b - a for a, b in whole], u.dtype)
         read = ts.array(into, copy=False, write=True).write(self._region(whole))
         result: cf.Future = cf.Future()
 
@@ -1123,6 +1123,12 @@ class _Opened:
     def result(self, timeout: float | None = None) -> Array:
         return TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions,
                                 self._raw)
+
+
+def _unit_buffer(shape: list[int], dtype: np.dtype) -> np.ndarray:
+    """The buffer of whole units a checked read of an unaligned box goes through (callers
+    count its bytes in flight: ``unit_elements``)."""
+    return np.empty(shape, dtype)
 
 
 def _done(value: Any) -> cf.Future:
