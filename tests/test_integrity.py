@@ -576,7 +576,8 @@ def test_committed_root_bytes_are_its_plain_json_encoding(docs, metadata, trap):
     docs = {p: d for p, d in docs.items() if not any(q.startswith(p + "/") for q in docs)}
     doc = fmt.root_metadata(state="committed", save_id="a" * 30, world_size=1, created="2026-11-26T00:00:00Z",
                             writer={"zarrckpt": "x"}, tree={"dict": []}, array_docs=docs, metadata=metadata)
-    data = fmt.encode_document(doc)
+    data = fmt.root_bytes(doc)
     assert data == json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
+    assert data == fmt.encode_document(doc)
     digest = doc["attributes"]["zarrckpt"]["digests"]["root"]
     assert fmt.root_digest(data, digest) == digest

@@ -174,7 +174,7 @@ def _write_groups(target: Target, groups: list[str]) -> None:
 
 def publish(target: Target, committed_root: dict) -> None:
     """Rank 0, after every rank's writes are durable: make the checkpoint visible."""
-    data = fmt.encode_document(committed_root)
+    data = fmt.root_bytes(committed_root)
     loc = target.location
     if target.in_place:
         if not loc.write_atomic("zarr.json", data, if_equal=target.generation):

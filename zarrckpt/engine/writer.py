@@ -395,7 +395,7 @@ class Writer:
                                  writer=self._writer, tree=tree, array_docs=self._docs, metadata=self.metadata,
                                  chunk_crcs=chunk_crcs)
         try:
-            fmt.parse_root_bytes(fmt.encode_document(root), self.url)
+            fmt.parse_root_bytes(fmt.root_bytes(root), self.url)
         except ZarrckptError as e:
             raise ZarrckptError(f"the checkpoint about to be committed at {self.url!r} would not be "
                                 f"readable, so nothing was committed (a bug in zarrckpt; please report "

@@ -87,6 +87,7 @@ __all__ = [
     "parse_root_bytes",
     "parse_step_name",
     "root_attributes",
+    "root_bytes",
     "root_digest",
     "root_metadata",
     "root_state",
@@ -152,16 +153,19 @@ def utc_from_us(us: int) -> str:
 def encode_document(doc: Mapping[str, Any]) -> bytes:
     """The exact bytes written for a ``zarr.json`` (spec §3.1): compact JSON, ASCII only
     (other characters as ``\\uXXXX``), members in insertion order, no NaN/Infinity. Digests
-    (§6.6) are over these bytes, so every ``zarr.json`` of a save is written with this.
-    The committed root that :func:`root_metadata` returned last comes from its own
-    encoding (its writer encodes it next; a root is not changed once built)."""
-    last = _last_root  # one read: another thread's save may replace it
-    if doc is last[0]:
-        return last[1]
+    (§6.6) are over these bytes, so every ``zarr.json`` of a save is written with this."""
     return json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii")
 
 
-# the last committed root root_metadata built, and its bytes (see encode_document)
+def root_bytes(root: Mapping[str, Any]) -> bytes:
+    """:func:`encode_document` of a committed root, for its writer: the bytes
+    :func:`root_metadata` already put together when ``root`` is the root it returned last
+    (unchanged since: the writer publishes it as built), else encoded now."""
+    last = _last_root  # one read: another thread's save may replace it
+    return last[1] if root is last[0] else encode_document(root)
+
+
+# the last committed root root_metadata built, and its bytes (see root_bytes)
 _last_root: tuple[Any, bytes] = (None, b"")
 
 

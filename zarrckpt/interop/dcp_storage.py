@@ -825,7 +825,7 @@ class ZarrckptStorageWriter(StorageWriter):
                                      array_docs=docs, metadata=self.metadata,
                                      chunk_crcs=engine.merge_crcs(crcs))  # format 1.3 (spec §6.6)
             try:
-                fmt.parse_root_bytes(fmt.encode_document(root), target.location.url)
+                fmt.parse_root_bytes(fmt.root_bytes(root), target.location.url)
             except ZarrckptError as e:
                 raise ZarrckptError(f"the checkpoint about to be committed at {target.location.url!r} would not "
                                     f"be readable, so nothing was committed (a bug; please report it): {e}") from e
