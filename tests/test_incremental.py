@@ -237,8 +237,12 @@ def test_async_save_is_incremental_too(tmp_path):
 
 
 def _killed_rank(path_a: str, path_b: str, after: int) -> None:
-    """Save incrementally and die (SIGKILL-like os._exit) after ``after`` links."""
+    """Save incrementally and die (SIGKILL-like os._exit) at a point: ``after`` links
+    (an int), ``"write"`` (the first chunk file of changed data written) or ``"publish"``
+    (every chunk durable, the commit not made)."""
     import zarrckpt
+    from zarrckpt.engine import commit as c
+    from zarrckpt.storage import _tensorstore as t
     from zarrckpt.storage import content as r
 
     made = [0]
@@ -250,14 +254,32 @@ def _killed_rank(path_a: str, path_b: str, after: int) -> None:
         if made[0] >= after:
             os._exit(9)
         return ok
-    r.link = link
+    if after == "write":  # whichever writer takes the changed chunk: a small file, or direct
+        real_put, real_whole = t._put_file, _localfile.LocalArray._write_whole
+
+        def put(path, data, fsync):
+            real_put(path, data, fsync)
+            if not path.endswith("zarr.json"):
+                os._exit(9)
+
+        def whole(self, *a, **k):
+            real_whole(self, *a, **k)
+            os._exit(9)
+        t._put_file = put
+        _localfile.LocalArray._write_whole = whole
+    elif after == "publish":
+        def publish(target, root):
+            os._exit(9)
+        c.publish = publish
+    else:
+        r.link = link
     sd = _state()
     sd["adapter"]["a"] += 1
     zarrckpt.save(sd, path_b, incremental_from=path_a)
     os._exit(0)
 
 
-@pytest.mark.parametrize("after", [1, 5])
+@pytest.mark.parametrize("after", [1, 5, "write", "publish"])
 def test_a_kill_during_an_incremental_save_leaves_the_previous_step_intact(tmp_path, after):
     import multiprocessing as mp
 
