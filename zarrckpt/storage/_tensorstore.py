@@ -490,7 +490,7 @@ def _put_file(path: str, data: Any, fsync: bool) -> None:
         os.close(fd)
 
 
-def _put_files(root: str, items: list[tuple], fsync: bool) -> None:
+def _put_files(root: str, items: list[tuple], fsync: bool, made: set[str] | None = None) -> None:
     """Write small objects: ``(key, array key, body, crc[, link])``, ``crc`` False (the body
     alone), True (the body and its CRC-32C) or a one-element ``uint32`` array (the same, and
     the CRC-32C is stored there: spec §6.6's table of positions). ``link`` (incremental
@@ -500,6 +500,11 @@ def _put_files(root: str, items: list[tuple], fsync: bool) -> None:
     link fails, written)."""
     for key, array_key, body, crc, *link in items:
         try:
+            if made is not None:  # directories made once per store: no failed open per file
+                parent = os.path.dirname(os.path.join(root, key))
+                if parent not in made:
+                    os.makedirs(parent, exist_ok=True)
+                    made.add(parent)
             if crc is not False and crc is not True:
                 value = crc32c.crc32c(body)
                 crc.reshape(-1)[0] = value
@@ -778,6 +783,9 @@ class TensorStoreStorage(_base.Storage):
         self._kv: ts.KvStore | None = None
         self._del: ts.KvStore | None = None  # see _deleter
         self._pool: cf.ThreadPoolExecutor | None = None
+        # directories the small-file writers made (a stale entry costs the old fallback:
+        # the open fails and makes the directory)
+        self._made: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -901,7 +909,7 @@ class TensorStoreStorage(_base.Storage):
         in the writer thread. A failure names the array key of the object that failed."""
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="zarrckpt-put")
-        return self._pool.submit(_put_files, self.local_path, items, self.options.fsync == "each")
+        return self._pool.submit(_put_files, self.local_path, items, self.options.fsync == "each", self._made)
 
     def flush(self) -> None:
         """Local files (``fsync="end"``): one syncfs call. Object stores: a completed PUT
