@@ -199,7 +199,6 @@ def _float(s: str) -> float:
     return f
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (ztree.MAX_INT_DIGITS + 1))
 MAX_NESTING = 102  # JSON levels of a document (spec §3.2): the deepest conforming root
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a candidate: the parse result decides
@@ -261,11 +260,9 @@ def decode_document(data: bytes, where: str) -> dict[str, Any]:
     if depth > MAX_NESTING:
         raise FormatError(f"{where} is nested too deeply: {depth} levels deep; a zarrckpt document has "
                           f"at most {MAX_NESTING} (spec §3.2)")
-    # the integer hook only where some run of digits is longer than an integer may be
-    # (one regex scan; a Python call per integer cost a fifth of parsing a large root)
-    ints = {"parse_int": _int} if _LONG_DIGITS.search(data) is not None else {}
     try:
-        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float, **ints)
+        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant,
+                         parse_int=_int, parse_float=_float)
     except json.JSONDecodeError as e:
         raise FormatError(f"{where} is not valid JSON: {e}") from None
     except RecursionError:
@@ -634,7 +631,7 @@ def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     return doc
 
 
-_GROUP_BYTES = b'{"zarr_format":3,"node_type":"group"}'
+_GROUP_BYTES = encode_document(group_metadata())  # an intermediate group's zarr.json
 
 
 def group_paths(keys: Iterable[str]) -> list[str]:
@@ -928,13 +925,13 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         raise IncompleteCheckpointError(
             f"checkpoint {url!r} is incomplete: its save (id {attrs.get('save_id')}, started "
             f"{attrs.get('created')}) was interrupted or is still running; it was never committed")
-    if not state == "committed":
+    if state != "committed":
         _fail(where, f"unknown state {state!r}")
     digests = attrs.get("digests")
     if digests is not None or minor >= 1:
         if not isinstance(digests, dict):
             _fail(where, f"a committed root of version {version} must record 'digests' (spec §6.6)")
-        if not digests.get("algorithm") == DIGEST_ALGORITHM:
+        if digests.get("algorithm") != DIGEST_ALGORITHM:
             _fail(where, f"digests.algorithm is {digests.get('algorithm')!r}, not {DIGEST_ALGORITHM!r}")
         claimed = digests.get("root")
         _need(isinstance(claimed, str) and _HEX64.fullmatch(claimed) is not None, where,
@@ -953,7 +950,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
     for name in ("created", "committed"):
         if not _timestamp(attrs.get(name)):
             _fail(where, f"{name} must be a UTC time like "
-              f"2026-11-26T04:58:20.396513Z, found {attrs.get(name)!r}")
+                  f"2026-11-26T04:58:20.396513Z, found {attrs.get(name)!r}")
     writer = attrs.get("writer")
     _need(isinstance(writer, dict) and all(isinstance(v, str) for v in writer.values()), where,
           "writer must be an object of version strings")
@@ -980,7 +977,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
             if not (minor >= 1 or packed.kind not in _KINDS_SINCE_1_1):
                 _fail(where, f"packed leaf {key!r}: kind {packed.kind!r} does not exist in format 1.0")
             paths.add(packed.metadata["pack"])
-    if not num_arrays == len(paths):
+    if num_arrays != len(paths):
         _fail(where, f"num_arrays is {num_arrays} but the tree names {len(paths)} arrays (array nodes and packs)")
     array_digests = None
     if digests is not None:
@@ -997,7 +994,7 @@ def parse_root(doc: dict[str, Any] | None, url: str, raw: bytes | None = None) -
         chunk_tables = digests.get("chunks")
         if not (isinstance(chunk_tables, dict) and all(isinstance(v, str) for v in chunk_tables.values())):
             _fail(where, f"a committed root of version {version} must record digests.chunks, an object of base64 "
-              "strings (spec §6.6)")
+                  "strings (spec §6.6)")
         _lists_the_arrays(chunk_tables, paths, where, "digests.chunks", "a table")
     return RootInfo(version, save_id, ws, attrs["created"], dict(writer), tree, doc,
                     tuple(leaves), frozenset(paths), array_digests, metadata, consolidated, chunk_tables)
@@ -1068,9 +1065,9 @@ def parse_packed(desc: Any, key: str) -> ArrayInfo:
     where = f"packed leaf {key!r}"
     _need(isinstance(desc, dict), where, "descriptor must be an object")
     members = {"pack", "offset", "nbytes", "kind", "data_type", "shape"}
-    if not set(desc) == members:
+    if set(desc) != members:
         _fail(where, f"descriptor must have exactly the members {sorted(members)}, "
-          f"found {sorted(desc)}")
+              f"found {sorted(desc)}")
     pack = desc["pack"]
     if not (isinstance(pack, str) and _PACK_PATH.fullmatch(pack) is not None):
         _fail(where, f"pack must be '.packs/<n>', found {pack!r}")
@@ -1078,7 +1075,7 @@ def parse_packed(desc: Any, key: str) -> ArrayInfo:
         _fail(where, f"offset must be an integer >= 0 and a multiple of 8, found {desc['offset']!r}")
     if not _is_int(desc["nbytes"]):
         _fail(where, f"nbytes must be an integer >= 0, found {desc['nbytes']!r}")
-    if not desc["kind"] in PACKED_KINDS:
+    if desc["kind"] not in PACKED_KINDS:
         _fail(where, f"unknown packed kind {desc['kind']!r}")
     dt = _dtype(desc["data_type"], where)
     shape = desc["shape"]
@@ -1128,7 +1125,7 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
                 _fail(where, f"unknown member {name!r} (only extensions with \"must_understand\": false are ignored)")
     _need(doc.get("storage_transformers", []) == [], where, "storage transformers are not supported")
     for name in _ARRAY_MEMBERS[:-1]:
-        if not name in doc:
+        if name not in doc:
             _fail(where, f"member {name!r} is missing")
     dt = _dtype(doc["data_type"], where)
     shape = doc["shape"]
@@ -1172,9 +1169,9 @@ def parse_array(doc: Any, key: str, save_id: str | None = None, *, path: str | N
     if not ("torch_dtype" not in attrs or attrs["torch_dtype"] == dt.torch):
         _fail(where, f"torch_dtype {attrs.get('torch_dtype')!r} disagrees with data_type {dt.zarr!r}")
     kind = attrs.get("kind")
-    if not kind in ARRAY_KINDS:
+    if kind not in ARRAY_KINDS:
         _fail(where, f"unknown kind {kind!r}")
-    if not (not (version == "1.0" and kind in _KINDS_SINCE_1_1)):
+    if version == "1.0" and kind in _KINDS_SINCE_1_1:
         _fail(where, f"kind {kind!r} does not exist in format 1.0 (the root says 1.0)")
     if pack is not None:
         _need((kind == "pack") == pack, where,
@@ -1235,7 +1232,7 @@ def _check_placement(p: Any, ndim: int, where: str) -> None:
     if "dim" in p:
         if not _is_int(p["dim"], 0, ndim - 1):
             _fail(where, f"placement dim {p['dim']!r} is not a dimension of "
-              f"this {ndim}-d array")
+                  f"this {ndim}-d array")
     if "split_factor" in p:
         if not _is_int(p["split_factor"], 1):
             _fail(where, f"bad split_factor {p['split_factor']!r}")

@@ -746,7 +746,7 @@ def stats(paths: str | os.PathLike | Sequence[str | os.PathLike], *, keys: str |
     # an array whose recorded content hashes say it holds the values of the step before
     # (incremental runs, spec §6.6.2) is not read again: it has that step's statistics
     same = {(i, k) for i, ck, k, a in work
-            if i > 0 and a.kind != "pack" and same_content(run[i - 1][1], ck, k)}
+            if i > 0 and same_content(run[i - 1][1], ck, k)}
     held = {(i, k) for i, _, k, _ in work}
     same = {(i, k) for i, k in same if (i - 1, k) in held}
     todo = [w for w in work if (w[0], w[2]) not in same]
