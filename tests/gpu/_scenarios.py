@@ -307,7 +307,9 @@ def incremental_saves_gpu(ctx: Ctx) -> None:
     step checked after the steps it links from are deleted."""
     base = ctx.dir("incremental")
     state = fsdp2_adamw(ctx)
-    frozen = [k for k, _ in leaves(state["model"]) if k.startswith("0.")]  # layer 0 is frozen
+    frozen = [k for k, _ in leaves(state["model"]) if k.startswith("/0.")]  # layer 0 is frozen
+    if not frozen:  # leaves' paths start with "/": a prefix that matches nothing links nothing
+        raise AssertionError(f"no frozen leaf among {[k for k, _ in leaves(state['model'])]}")
 
     def step() -> None:  # every value changes except layer 0's parameters
         keep = {k: loc(t).clone() for k, t in leaves(state["model"]) if k in frozen}

@@ -227,6 +227,11 @@ class SaveRun:
         self.fills: list[tuple[np.ndarray, torch.Tensor]] = []
         self.assembled: dict[str, dict[tuple[int, ...], np.ndarray]] = {}  # chunks built by exchange
         self.staged: dict[str, np.ndarray] = {}  # async: host copies of local data
+        # sync saves of device data (_stream_stage): the leaves copied through the arena in
+        # write order, their positions, and the host copies of the current batch not yet written
+        self.stream_order: list[ArrayPlan] = []
+        self.stream_pos: dict[str, int] = {}
+        self.stream_ahead: dict[str, np.ndarray] = {}
         self.staged_event: Any = None  # async, CUDA: recorded when the side-stream copies end
         self.replica_crcs: dict[str, int] | None = None  # check_replicas, async: taken at the call
         self.timings: dict[str, float] = {}
@@ -650,6 +655,11 @@ class SaveRun:
                 documents = {p.key: p.metadata for p in self.arrays
                              if p.coord is not None and p.layout.metadata_writer() == p.coord}
                 arrays = [self._array_write(p, arena) for p in self.arrays if p.writes]
+                # the device leaves _stream_stage copies, in the order the engine asks for them
+                self.stream_order = [p for p in self.arrays if p.writes and p.key not in self.staged
+                                     and p.kind != "pack" and not p.on_host and self._needs_data(p)]
+                self.stream_pos = {p.key: i for i, p in enumerate(self.stream_order)}
+                self.stream_ahead = {}
                 self.chunk_crcs = {}  # spec §6.6: this rank's chunk CRCs, for the root (finish)
                 self.content = self._content()
                 self.bytes_written += engine.write_arrays(
@@ -663,6 +673,7 @@ class SaveRun:
         finally:
             self.assembled.clear()
             self.staged.clear()
+            self.stream_order, self.stream_pos, self.stream_ahead = [], {}, {}
         self._timed("write", t0)
         return error
 
@@ -703,17 +714,32 @@ class SaveRun:
         return p.host_view() if p.on_host else self._stream_stage(p, arena, out)
 
     def _stream_stage(self, p: ArrayPlan, arena: Arena, out: engine.ChunkWriter) -> np.ndarray:
-        """Device data through a bounded arena: when full, wait for the writes using it."""
+        """Device data through a bounded arena, a batch at a time: the copies of this leaf
+        and of the device leaves written after it, as many as fit, are issued together and
+        waited for once (one device synchronisation per batch, not per leaf: 2,000 small
+        leaves spent ~1.2 s of a 1.8 s save in per-leaf synchronisations on an H100 host).
+        A leaf not in the current batch starts the next one, once the writes reading the
+        arena are done (an order other than the plan's only costs a new batch)."""
         t0 = time.perf_counter()
-        need = staged_nbytes(p.source)
-        if need > arena.capacity:  # one tensor bigger than the bound: a buffer of its own
-            host = dtypes.to_numpy(p.source.cpu())
-        else:
-            if not arena.fits(need):
+        ahead = self.stream_ahead
+        host = ahead.pop(p.key, None)
+        if host is None:
+            need = staged_nbytes(p.source)
+            if need > arena.capacity:  # one tensor bigger than the bound: a buffer of its own
+                host = dtypes.to_numpy(p.source.cpu())
+            else:
+                ahead.clear()
                 out.wait()
                 arena.reset()
-            _, host = arena.stage(p.source)
-            sync_devices([p.source])
+                order, pos = self.stream_order, self.stream_pos.get(p.key, -1)
+                batch = [p] + ([q for q in order[pos + 1:]] if pos >= 0 else [])
+                for q in batch:
+                    n = staged_nbytes(q.source)
+                    if q is not p and (n > arena.capacity or not arena.fits(n)):
+                        break
+                    ahead[q.key] = arena.stage(q.source)[1]
+                sync_devices([p.source])
+                host = ahead.pop(p.key)
         self._timed("stage", t0)
         return host
 
