@@ -89,6 +89,36 @@ def files(root):
     return out
 
 
+@pytest.mark.parametrize("gather", [0, None], ids=["piece-by-piece", "one-call"])
+@pytest.mark.parametrize("shape,chunk,dtype,inner_bytes", [CASES[1], CASES[4], CASES[8],
+                                                           ((70000,), (65536,), np.uint8, 64)])
+def test_whole_chunks_in_one_call_or_piece_by_piece(tmp_path, monkeypatch, shape, chunk, dtype, inner_bytes, gather):
+    """A small chunk is written by one descriptor and one vectored write (inner chunks that are
+    strided in the source gathered first; over IOV_MAX buffers in several calls: 1,024 inner
+    chunks of 64 bytes), or, where the gathered copies would exceed GATHER_BYTES, piece by
+    piece: the same bytes as TensorStore's either way."""
+    if gather is not None:
+        monkeypatch.setattr(_localfile, "GATHER_BYTES", gather)
+    calls: list[int] = []
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    md = metadata(shape, chunk, dtype, inner_bytes)
+    data = values(shape, dtype)
+    write_all(tmp_path / "direct", "x", md, data, DIRECT)
+    monkeypatch.setattr(os, "pwritev", real)
+    calls.remove(1)  # zarr.json (a chunk is at least a body and its CRC)
+    write_all(tmp_path / "ts", "x", md, data, TS)
+    fa, fb = files(tmp_path / "direct"), files(tmp_path / "ts")
+    assert sorted(fa) == sorted(fb) and fa
+    for k in fa:
+        assert filecmp.cmp(fa[k], fb[k], shallow=False), k
+    assert max(calls) <= 1024
+    if gather is None:
+        c = chunk_codec(md)
+        present = [(os.path.getsize(f) - c.index_nbytes) // (c.inner_nbytes + 4) for f in fa.values()]
+        assert len(calls) == sum(-(-(2 * n + 1) // 1024) for n in present), calls  # one per file and 1,024 buffers
+
+
 @pytest.mark.parametrize("shape,chunk,dtype,inner_bytes", CASES)
 def test_same_bytes_as_tensorstore_and_each_reads_the_other(tmp_path, shape, chunk, dtype, inner_bytes):
     md = metadata(shape, chunk, dtype, inner_bytes)
