@@ -61,8 +61,13 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="zarrckpt.save keyword options as JSON")
     ap.add_argument("--io-threads", type=int, default=0,
                     help="StorageOptions(file_io_concurrency=N) for zarrckpt's saves and loads (0: default)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval(S) in every rank (0: Python's default, 5 ms): how soon a "
+                         "reader or writer thread back from a system call gets the GIL from a busy caller")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
