@@ -683,7 +683,8 @@ class SaveRun:
         o = self.options
         if o.incremental_from is None and not o.content_hashes:
             return None
-        previous = Previous.open(o.incremental_from, o.storage) if o.incremental_from is not None else None
+        previous = Previous.open(o.incremental_from, o.storage, self.store) if o.incremental_from is not None \
+            else None
         return engine.Content(previous)
 
     def _arena(self, streaming: bool) -> Any:

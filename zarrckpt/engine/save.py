@@ -264,7 +264,7 @@ class ChunkWriter:
             if self.content is not None:  # spec §6.6.2; linked where §7.9 allows (checked in the writer)
                 rec = self.content.of(key, document)
                 digest = rec.hashes[index] = _content.chunk_hash([plain_body(data)])
-                if rec.previous is not None and self._batch is not None and slot is not None:
+                if rec.previous is not None and slot is not None:
                     link = rec.previous.plain_link(index, digest)
                     if link is not None:
                         link = (*link, self.content.linked)
@@ -276,7 +276,12 @@ class ChunkWriter:
             crc = None
             if slot is not None:
                 slot[...] = crc = crc32c.crc32c(plain_body(data))
-            future = self.store.write_plain_chunk(key, index, data, crc)
+            if link is not None and link[1] == crc and getattr(rec.previous, "bucket", None) is not None:
+                # S3: the previous checkpoint's object, copied server-side (or written if that fails)
+                future = self.store.copy_or_write_plain_chunk(key, index, data, crc, rec.previous.object_key(index),
+                                                              rec.previous.bucket, self.content.linked)
+            else:
+                future = self.store.write_plain_chunk(key, index, data, crc)
         else:
             array = self._array(key, document)
             if self.content is not None and array.links_chunks:
@@ -302,13 +307,17 @@ class ChunkWriter:
         self._pending.wait()
 
     def finish(self) -> None:
-        """Wait for every write, then make them durable (one syncfs)."""
+        """Wait for every write, then make them durable (one syncfs). An incremental save
+        that copied chunks on S3 then checks that the previous checkpoint is still the one
+        it compared them with (``Previous.confirm``)."""
         try:
             self._send()
             self._pending.wait()
         finally:
             self.store.close()
         self.store.flush()
+        if self.content is not None and self.content.previous is not None and self.content.linked:
+            self.content.previous.confirm()
 
     def stop(self) -> None:
         """After an error: wait for the writes in flight, ignoring theirs (object stores:

@@ -53,30 +53,49 @@ SAME_BYTES_MEMBERS = ("zarr_format", "node_type", "shape", "data_type", "chunk_g
 class Previous:
     """PREV's directory, array documents, unit CRC tables and content hashes."""
 
-    def __init__(self, directory: str, documents: dict, crc_tables: dict, content: dict) -> None:
-        self.directory = directory
+    def __init__(self, directory: str, documents: dict, crc_tables: dict, content: dict,
+                 bucket: str | None = None, check: Checkpoint | None = None) -> None:
+        self.directory = directory  # a directory, or (S3) the key prefix in ``bucket``
+        self.bucket = bucket
         self.documents = documents
         self.crc_tables = crc_tables
         self.content = content
+        self._check = check  # S3: PREV, re-read after the copies (confirm)
         self._arrays: dict[str, PreviousArray | None] = {}
 
     @classmethod
-    def open(cls, path: Any, storage_options: Any = None) -> Previous | None:
-        """PREV's root, or None (with a warning: the save then writes everything) where it
-        cannot be linked from: not a committed checkpoint, not on a local or parallel file
-        system, before format 1.3, or no content hashes recorded."""
+    def open(cls, path: Any, storage_options: Any = None, target: Any = None) -> Previous | None:
+        """PREV's root, or None (with a warning: the save then writes everything) where
+        nothing can be linked or copied from it: not a committed checkpoint, not on a local or
+        parallel file system nor in the S3 bucket ``target`` (the save's storage) writes to,
+        before format 1.3, or no content hashes recorded."""
         try:
             ck = Checkpoint(path, storage_options)
         except Exception as e:  # noqa: BLE001 - an incremental save still saves
             log.warning("zarrckpt: incremental_from=%r cannot be opened (%s); writing every chunk", path, e)
             return None
         directory = getattr(ck.storage, "local_path", None)
+        bucket = None
         info = ck.info
         digests = info.raw.get("attributes", {}).get("zarrckpt", {}).get("digests") or {}
         content = digests.get("content")
         why = None
-        if directory is None:
+        spec = getattr(ck.storage, "_spec", None) or {}
+        tspec = getattr(target, "_spec", None) or {}
+        if directory is None and spec.get("driver") == "s3" and target is not None:
+            if (tspec.get("driver"), tspec.get("bucket"), tspec.get("endpoint")) != \
+                    ("s3", spec["bucket"], spec.get("endpoint")):
+                why = "it is on S3 and the save is not in the same bucket of the same endpoint"
+            elif getattr(target, "copier", None) is None:
+                why = "server-side copies are not available (see the warning before)"
+            else:
+                directory, bucket = spec.get("path", "").rstrip("/"), spec["bucket"]
+        elif directory is None:
             why = "it is not on a local or parallel file system"
+        elif target is not None and getattr(target, "local_path", None) is None:
+            why = "it is on a file system and the save is not"
+        if why is not None:
+            pass
         elif info.chunk_tables is None or info.consolidated is None:
             why = f"it is format {info.version} (chunk positions start with 1.3)"
         elif not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
@@ -85,8 +104,28 @@ class Previous:
         if why is not None:
             log.warning("zarrckpt: nothing can be linked from %s: %s; writing every chunk", ck.url, why)
             return None
+        if bucket is not None:
+            return cls(directory, dict(info.consolidated), dict(info.chunk_tables), dict(content["chunks"]),
+                       bucket, ck)
         return cls(os.path.realpath(directory), dict(info.consolidated), dict(info.chunk_tables),
                    dict(content["chunks"]))
+
+    def confirm(self) -> None:
+        """After every chunk was written or copied, before the commit: on S3, PREV must still
+        be the checkpoint whose records were compared (copies are of whatever its keys hold
+        when made; a PREV deleted meanwhile failed them and they were written). Raises where
+        another save replaced it; links on file systems need no check (they are of inodes)."""
+        if self._check is None:
+            return
+        try:
+            self._check.check_unchanged()
+        except Exception as e:
+            from ..errors import StorageError
+
+            raise StorageError(
+                f"incremental_from={self._check.url!r} changed while this save copied chunks from it "
+                f"({e}); copied chunks may not hold this save's values, so nothing was committed: save "
+                "again (from the new checkpoint, or without incremental_from)") from e
 
     def array(self, key: str, document: dict) -> PreviousArray | None:
         """PREV's array ``key`` if its chunk files hold the same bytes for the same values
@@ -108,6 +147,9 @@ class Previous:
         units = tuple(fmt.unit_grid(doc))
         if len(content) != HASH_BYTES * math.prod(grid) or len(crcs) != 4 * math.prod(units):
             return None
-        return PreviousArray(os.path.join(self.directory, *key.split("/")), doc,
-                             np.frombuffer(content, np.uint8).reshape(*grid, HASH_BYTES),
-                             np.frombuffer(crcs, "<u4").reshape(units))
+        array = PreviousArray(os.path.join(self.directory, *key.split("/")) if self.bucket is None
+                              else "/".join(p for p in (self.directory, key.strip("/")) if p), doc,
+                              np.frombuffer(content, np.uint8).reshape(*grid, HASH_BYTES),
+                              np.frombuffer(crcs, "<u4").reshape(units))
+        array.bucket = self.bucket
+        return array

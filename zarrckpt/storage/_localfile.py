@@ -185,6 +185,33 @@ def unit_crcs(codec: ChunkCodec, index: tuple[int, ...], data: np.ndarray) -> np
     return out
 
 
+def unit_digest(codec: ChunkCodec, index: tuple[int, ...], data: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Chunk ``index``'s content hash (spec §6.6.2: the hash of its units' decoded bytes in
+    C order, padding = the fill value) and :func:`unit_crcs`, in one pass over ``data`` (the
+    chunk's part inside the array, any strides): what an incremental save compares with
+    the previous checkpoint's records wherever its chunks are written through TensorStore."""
+    from . import content
+
+    crcs = np.empty(codec.present_shape(index), np.uint32)
+    origin = tuple(i * c for i, c in zip(index, codec.chunk))
+
+    def bodies():
+        for j in np.ndindex(*crcs.shape):
+            tile = _sub(data, codec.inner_box(index, j), origin)
+            if tile.shape == codec.inner and tile.flags.c_contiguous and sys.byteorder == "little":
+                body = _bytes_of(tile)
+            else:
+                buf = _scratch(codec.inner_nbytes).view(codec.dtype).reshape(codec.inner)
+                if tile.shape != codec.inner:
+                    buf[...] = codec.fill_value()
+                np.copyto(buf[tuple(slice(0, s) for s in tile.shape)], tile, casting="no")
+                body = _bytes_of(buf)
+            crcs[j] = crc32c.crc32c(body)
+            yield body
+
+    return content.chunk_hash(bodies()), crcs
+
+
 def _unit_crc(codec: ChunkCodec, tile: np.ndarray) -> int:
     """CRC-32C of one unit's decoded bytes from ``tile``, its part inside the array."""
     if tile.shape == codec.inner and tile.flags.c_contiguous and sys.byteorder == "little":

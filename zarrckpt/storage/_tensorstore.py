@@ -22,12 +22,14 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from ._localfile import LocalArray, _pool, _pwritev_all, _sub, _unit_crc, chunk_codec, misplaced, unit_crcs, units_codec
+from ._localfile import (LocalArray, _pool, _pwritev_all, _sub, _unit_crc, chunk_codec, misplaced, unit_crcs,
+                         unit_digest, units_codec)
 from ._localfile import counters as _direct_counters
 from . import content as _content
 from . import base as _base
 from .base import Array, Box
 from ..errors import CheckpointNotFoundError, CorruptChunkError, StorageError, ZarrckptError
+from ..format.documents import chunk_key
 
 __all__ = ["StorageOptions", "TensorStoreArray", "TensorStoreStorage", "in_memory_array", "io_counters",
            "kvstore_spec", "status_code", "storage_error", "translate_error"]
@@ -575,7 +577,17 @@ class TensorStoreArray(Array):
     def _region(self, box: Box | None) -> ts.TensorStore:
         return self._ts[tuple(slice(a, b) for a, b in box)] if box else self._ts
 
-    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None) -> Any:
+    # incremental saves (storage/content.py): the content hash of every whole chunk written is
+    # recorded; on S3 an unchanged one is copied server-side (storage/s3copy.py) when the
+    # storage gave this array a copier and the chunk's object key (copy_to)
+    links_chunks = True
+    copier: Any = None
+    copy_to: Callable[[tuple[int, ...]], str] | None = None
+
+    def _write(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None = None,
+               record: Any = None) -> Any:
+        if record is not None and self._units is not None:
+            return self._write_recorded(box, data, stable, crcs, record)
         write = self._region(box).write(data, can_reference_source_data_indefinitely=stable)
         if crcs is None:
             return write
@@ -583,6 +595,50 @@ class TensorStoreArray(Array):
         index = tuple(a // c for (a, _), c in zip(box, u.chunk))
         crc = _pool(_CRC_THREADS).submit(lambda: crcs.__setitem__(..., unit_crcs(u, index, data)))
         return _Both(write, crc)
+
+    def _write_recorded(self, box: Box, data: np.ndarray, stable: bool, crcs: np.ndarray | None,
+                        record: Any) -> cf.Future:
+        """A whole chunk of an incremental or hash-recording save, in a pool task: its content
+        hash and unit CRC-32Cs (one pass), recorded; then, where the previous checkpoint's
+        chunk has the same of both (spec §7.9 checks 3 and 4; the metadata, checks 1 and 2,
+        were compared when ``record.previous`` was made), a server-side copy of it; else,
+        or where the copy fails, the TensorStore write of ``data``."""
+        u = self._units
+        index = tuple(a // c for (a, _), c in zip(box, u.chunk))
+        out: cf.Future = cf.Future()
+
+        def end(error: BaseException | None = None) -> None:
+            with contextlib.suppress(cf.InvalidStateError):  # cancelled meanwhile (an aborted save)
+                out.set_exception(error) if error is not None else out.set_result(None)
+
+        def settle(f: Any) -> None:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                end(e)
+            else:
+                end()
+
+        def task() -> None:
+            try:
+                digest, unit = unit_digest(u, index, data)
+                record.hashes[index] = digest
+                if crcs is not None:
+                    crcs[...] = unit
+                prev = record.previous
+                if (prev is not None and self.copier is not None and self.copy_to is not None
+                        and getattr(prev, "bucket", None) == self.copier.bucket
+                        and prev.matches(index, digest, unit)
+                        and self.copier.copy(prev.object_key(index), self.copy_to(index), data.nbytes)):
+                    record.linked.append(data.nbytes)
+                    end()
+                    return
+                self._region(box).write(data, can_reference_source_data_indefinitely=stable).add_done_callback(settle)
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                end(e)
+
+        _pool(_CRC_THREADS).submit(task)
+        return out
 
     def _edges(self, box: Box | None) -> list[cf.Future]:
         """Spec §5.5 (settled in 1.3): every present entry of a shard index lies inside the
@@ -1101,8 +1157,46 @@ class TensorStoreStorage(_base.Storage):
         local = self._local_array(key, metadata)
         if local is not None:
             return _done(local)
-        return _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
-                               context=self._context), key, metadata)
+        opened = _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
+                                 context=self._context), key, metadata)
+        copier = self.copier
+        if copier is not None:  # incremental saves to S3: unchanged chunks copied server-side
+            sep = metadata.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
+            base = self._spec.get("path", "") + key.strip("/") + "/"
+            opened.copy = (copier, lambda index: base + sep.join(["c", *map(str, index)]))
+        return opened
+
+    def copy_or_write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray, crc: int,
+                                  source: str, bucket: str, linked: list[int]) -> cf.Future:
+        copier = self.copier
+        if copier is None or copier.bucket != bucket:
+            return self.write_plain_chunk(array_key, index, data, crc)
+        dst = self._spec.get("path", "") + f"{array_key.strip('/')}/{chunk_key(index)}"
+        out: cf.Future = cf.Future()
+
+        def task() -> None:
+            try:
+                if copier.copy(source, dst, data.nbytes):
+                    linked.append(data.nbytes)
+                    out.set_result(None)
+                    return
+                self.write_plain_chunk(array_key, index, data, crc).add_done_callback(
+                    lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(None))
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                out.set_exception(e)
+
+        _pool(_CRC_THREADS).submit(task)
+        return out
+
+    @property
+    def copier(self) -> Any:
+        """S3: this bucket's server-side copier (``storage/s3copy.py``), made on first use;
+        None elsewhere or where copies cannot be made."""
+        if self._spec.get("driver") != "s3":
+            return None
+        from . import s3copy
+
+        return s3copy.copier(self._spec)
 
     def open_for_read(self, key: str, metadata: dict[str, Any], positions: np.ndarray | None = None) -> Any:
         local = self._local_array(key, metadata, positions)
@@ -1127,10 +1221,14 @@ class _Opened:
     def __init__(self, future: Any, key: str, metadata: dict[str, Any] | None = None,
                  positions: np.ndarray | None = None, raw: ts.KvStore | None = None) -> None:
         self._f, self._key, self._metadata, self._positions, self._raw = future, key, metadata, positions, raw
+        self.copy: tuple[Any, Callable] | None = None  # (copier, chunk index -> object key): S3 writes
 
     def result(self, timeout: float | None = None) -> Array:
-        return TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions,
-                                self._raw)
+        array = TensorStoreArray(self._f.result(timeout=timeout), self._key, self._metadata, self._positions,
+                                 self._raw)
+        if self.copy is not None:
+            array.copier, array.copy_to = self.copy
+        return array
 
 
 def _unit_buffer(shape: list[int], dtype: np.dtype) -> np.ndarray:

@@ -11,9 +11,11 @@ CRC-32C per unit) before different bytes could be linked; a test replaces
 :data:`chunk_hash` with a double that always collides and shows the CRC check alone keeps
 such chunks written.
 
-Only local and parallel file systems link (``os.link``; another file system or a refused
-link falls back to writing the chunk). Arrays written through TensorStore (compressed
-arrays, object stores) record no hashes and are written in full.
+Local and parallel file systems link (``os.link``; another file system or a refused link
+falls back to writing the chunk). Arrays written through TensorStore (compressed arrays,
+object stores) record their hashes too (``_tensorstore.TensorStoreArray._write_recorded``);
+on S3 an unchanged chunk of such an array is copied server-side from the previous
+checkpoint when it is in the same bucket (``storage/s3copy.py``); elsewhere they are written.
 """
 
 from __future__ import annotations
@@ -75,8 +77,14 @@ class PreviousArray:
                                                 fmt.unit_shape(doc)))
         self.separator = doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
 
+    bucket: str | None = None  # S3: the bucket ``directory`` (then a key prefix) is in
+
     def path(self, index: tuple[int, ...]) -> str:
         return os.path.join(self.directory, self.separator.join(["c", *map(str, index)]))
+
+    def object_key(self, index: tuple[int, ...]) -> str:
+        """S3: chunk ``index``'s key in :attr:`bucket`."""
+        return "/".join(p for p in (self.directory, self.separator.join(["c", *map(str, index)])) if p)
 
     def matches(self, index: tuple[int, ...], digest: bytes, unit_crcs: np.ndarray) -> bool:
         """Same content hash and the same CRC-32C for every unit of chunk ``index``."""

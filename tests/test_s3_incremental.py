@@ -1,0 +1,189 @@
+"""Incremental saves on a real S3 server (SeaweedFS on 127.0.0.1, started by the suite): an
+unchanged chunk is a server-side copy of the previous checkpoint's object (spec §7.9,
+``zarrckpt/storage/s3copy.py``), no byte of it through the node; every step stays whole
+after the others are deleted; what protects it when the copies cannot be trusted or made."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import zarrckpt
+from _s3 import S3Server
+from zarrckpt.storage import _tensorstore, content, s3copy
+
+pytest.importorskip("obstore")
+
+ROWS = 512  # 512 x 1024 fp32 = 2 MiB per tensor: chunks above the small-chunk path (1 MiB), through TensorStore
+
+
+def opts(srv: S3Server) -> zarrckpt.StorageOptions:
+    return zarrckpt.StorageOptions(endpoint=srv.endpoint, region=srv.region, access_key_id=srv.access_key,
+                                   secret_access_key=srv.secret_key, request_retries=2)
+
+
+def state(trained: float, frozen: float = 1.0) -> dict:
+    """Four frozen 2 MiB tensors, one trained one, a small one and a step."""
+    g = torch.Generator().manual_seed(int(frozen * 10))
+    return {"base": {f"w{i}": torch.randn(ROWS, 1024, generator=g) * frozen for i in range(4)},
+            "adapter": torch.full((ROWS, 1024), trained), "small": torch.arange(7) + int(trained),
+            "step": int(trained)}
+
+
+def check(url: str, o, want: dict) -> None:
+    got = zarrckpt.load_state_dict(url, storage=o)
+    for i in range(4):
+        assert torch.equal(got["base"][f"w{i}"], want["base"][f"w{i}"]), i
+    assert torch.equal(got["adapter"], want["adapter"])
+    assert torch.equal(got["small"], want["small"]) and got["step"] == want["step"]
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """Boxes written through TensorStore (a copied chunk is not among them)."""
+    boxes: list = []
+    real = _tensorstore.TensorStoreArray._region
+
+    def counted(self, box):
+        boxes.append((self.key, box))
+        return real(self, box)
+
+    monkeypatch.setattr(_tensorstore.TensorStoreArray, "_region", counted)
+    return boxes
+
+
+def test_unchanged_chunks_are_copied_server_side(s3, writes):
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "run")
+    a, b = f"{run}/a", f"{run}/b"
+    sa, sb = state(1.0), state(2.0)
+    zarrckpt.save(sa, a, storage=o, content_hashes=True)
+    before = s3copy.counters()
+    writes.clear()
+    rep = zarrckpt.save(sb, b, storage=o, incremental_from=a)
+    after = s3copy.counters()
+    frozen = 4 * ROWS * 1024 * 4
+    assert rep["bytes_linked"] == frozen, rep
+    assert after["chunks_copied"] - before["chunks_copied"] == 4
+    assert after["bytes_copied"] - before["bytes_copied"] == frozen
+    assert {k for k, _ in writes} == {"adapter"}  # the frozen chunks never went through TensorStore
+    check(b, o, sb)
+    # every step whole after the one it copied from is deleted; generic readers read it
+    keys = s3.list_objects(prefix=_key(s3, a) + "/")
+    assert len(keys) > 10
+    for key in keys:
+        s3.delete_object(None, key)
+    check(b, o, sb)
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": s3.kvstore_spec(path=_key(s3, b) + "/base/w2/")}
+    arr = ts.open(spec, open=True, read=True).result()
+    np.testing.assert_array_equal(arr.read().result(), sb["base"]["w2"].numpy())
+
+
+def _key(srv: S3Server, url: str) -> str:
+    return url.split(f"s3://{srv.buckets[0]}/", 1)[1].rstrip("/")
+
+
+def test_content_hashes_are_the_same_on_s3_and_on_disk(s3, tmp_path):
+    """The hash of a chunk does not depend on the path that wrote it (TensorStore on S3, the
+    direct writer on disk): steps on either are compared with the same records."""
+    o = opts(s3)
+    url = s3.url(s3.fresh_prefix() + "h")
+    sd = state(3.0)
+    zarrckpt.save(sd, url, storage=o, content_hashes=True)
+    zarrckpt.save(sd, tmp_path / "h", content_hashes=True)
+    roots = [zarrckpt.open(url, endpoint=o.endpoint, region=o.region, access_key_id=o.access_key_id,
+                           secret_access_key=o.secret_access_key).info.raw, zarrckpt.open(tmp_path / "h").info.raw]
+    hashes = [r["attributes"]["zarrckpt"]["digests"]["content"]["chunks"] for r in roots]
+    assert hashes[0] == hashes[1] and len(hashes[0]) >= 6
+    assert all(len(base64.b64decode(v)) % 16 == 0 for v in hashes[0].values())
+
+
+def test_a_manager_copies_and_retention_keeps_every_step_whole(s3):
+    o = opts(s3)
+    url = s3.url(s3.fresh_prefix() + "m")
+    m = zarrckpt.CheckpointManager(url, keep_last=1, incremental=True, storage=o)
+    linked = []
+    for step in (1, 2, 3):
+        linked.append(m.save(step, state(float(step)))["bytes_linked"])
+    assert linked[0] == 0 and linked[1] == linked[2] == 4 * ROWS * 1024 * 4
+    assert m.steps() == [3]  # steps 1 and 2 deleted: 3 copied from 2, which copied from 1
+    check(url.rstrip("/") + "/step_00000003", o, state(3.0))
+
+
+def test_colliding_hashes_never_copy_different_bytes(s3, monkeypatch):
+    """A content hash that always collides (a test double): the unit CRC-32Cs (spec §7.9
+    check 4) still tell the changed chunks apart, so they are written, not copied."""
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "x")
+    zarrckpt.save(state(1.0), f"{run}/a", storage=o, content_hashes=True)
+    monkeypatch.setattr(content, "chunk_hash", lambda bodies: (sum(1 for _ in bodies), b"\0" * 16)[1])
+    zarrckpt.save(state(1.0), f"{run}/a2", storage=o, content_hashes=True)  # PREV's records from the double too
+    sd = state(2.0, frozen=2.0)  # every value differs
+    rep = zarrckpt.save(sd, f"{run}/b", storage=o, incremental_from=f"{run}/a2")
+    assert rep["bytes_linked"] == 0
+    check(f"{run}/b", o, sd)
+
+
+def test_a_failed_copy_writes_the_chunk(s3, monkeypatch):
+    import obstore
+
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "f")
+    zarrckpt.save(state(1.0), f"{run}/a", storage=o, content_hashes=True)
+
+    def refuse(*a, **k):
+        raise OSError("copy refused (test)")
+
+    monkeypatch.setattr(obstore, "copy", refuse)
+    before = s3copy.counters()["copy_failures"]
+    sd = state(2.0)
+    rep = zarrckpt.save(sd, f"{run}/b", storage=o, incremental_from=f"{run}/a")
+    assert rep["bytes_linked"] == 0 and s3copy.counters()["copy_failures"] - before == 4
+    check(f"{run}/b", o, sd)
+
+
+def test_previous_replaced_during_the_save_commits_nothing(s3, monkeypatch):
+    """Copies are of whatever PREV's keys hold when they are made: a PREV overwritten by
+    another save while this one copied from it fails this save clearly, and nothing of it is
+    committed; PREV's new contents are untouched."""
+    from zarrckpt.readers import previous
+
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "r")
+    zarrckpt.save(state(1.0), f"{run}/a", storage=o, content_hashes=True)
+    real = previous.Previous.confirm
+
+    def replaced(self):
+        zarrckpt.save(state(9.0, frozen=9.0), f"{run}/a", storage=o, overwrite=True)
+        return real(self)
+
+    monkeypatch.setattr(previous.Previous, "confirm", replaced)
+    with pytest.raises(zarrckpt.ZarrckptError, match="changed while this save copied"):
+        zarrckpt.save(state(2.0), f"{run}/b", storage=o, incremental_from=f"{run}/a")
+    with pytest.raises(zarrckpt.ZarrckptError):
+        zarrckpt.load_state_dict(f"{run}/b", storage=o)
+    check(f"{run}/a", o, state(9.0, frozen=9.0))
+
+
+def test_without_obstore_every_chunk_is_written_and_the_log_says_why(s3, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    monkeypatch.setitem(sys.modules, "obstore.store", None)
+    monkeypatch.setattr(s3copy, "_copiers", {})
+    monkeypatch.setattr(s3copy, "_warned", set())
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "n")
+    zarrckpt.save(state(1.0), f"{run}/a", storage=o, content_hashes=True)
+    sd = state(2.0)
+    with caplog.at_level("WARNING", logger="zarrckpt"):
+        rep = zarrckpt.save(sd, f"{run}/b", storage=o, incremental_from=f"{run}/a")
+    assert rep["bytes_linked"] == 0
+    assert "obstore is not installed" in caplog.text
+    check(f"{run}/b", o, sd)
+    json.dumps(rep)
