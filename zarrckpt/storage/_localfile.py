@@ -46,7 +46,7 @@ from ..errors import CorruptChunkError, FormatError
 
 
 __all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "fill_scalar",
-           "inner_offset", "misplaced", "release_buffers", "unit_crcs", "units_codec"]
+           "inner_offset", "misplaced", "release_buffers", "unit_crcs", "unit_digest", "units_codec"]
 
 Box = tuple[tuple[int, int], ...]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 log = logging.getLogger("zarrckpt")
 
-__all__ = ["MAX_COPY_BYTES", "Copier", "copier", "counters"]
+__all__ = ["Copier", "MAX_COPY_BYTES", "copier", "counters"]
 
 MAX_COPY_BYTES = 5 << 30  # one CopyObject request copies at most 5 GiB
 
