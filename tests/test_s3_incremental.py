@@ -187,3 +187,52 @@ def test_without_obstore_every_chunk_is_written_and_the_log_says_why(s3, monkeyp
     assert "obstore is not installed" in caplog.text
     check(f"{run}/b", o, sd)
     json.dumps(rep)
+
+
+def test_the_environment_does_not_redirect_or_resign_copies(s3, monkeypatch, writes):
+    """obstore reads AWS_* variables of its own; the copier gives it the save's endpoint,
+    region and keys, so a stray session token or endpoint changes nothing."""
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "not-this-one")
+    monkeypatch.setenv("AWS_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(s3copy, "_copiers", {})
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "e")
+    zarrckpt.save(state(1.0), f"{run}/a", storage=o, content_hashes=True)
+    before = s3copy.counters()
+    sd = state(2.0)
+    rep = zarrckpt.save(sd, f"{run}/b", storage=o, incremental_from=f"{run}/a")
+    after = s3copy.counters()
+    assert rep["bytes_linked"] == 4 * ROWS * 1024 * 4
+    assert after["chunks_copied"] - before["chunks_copied"] == 4 and after["copy_failures"] == before["copy_failures"]
+    check(f"{run}/b", o, sd)
+
+
+def test_plain_saves_never_make_a_copier(s3, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    monkeypatch.setitem(sys.modules, "obstore.store", None)
+    monkeypatch.setattr(s3copy, "_copiers", {})
+    monkeypatch.setattr(s3copy, "_warned", set())
+    with caplog.at_level("WARNING", logger="zarrckpt"):
+        zarrckpt.save(state(1.0), s3.url(s3.fresh_prefix() + "p"), storage=opts(s3), content_hashes=True)
+    assert "copied" not in caplog.text and s3copy._copiers == {}
+
+
+def test_a_cancelled_copy_or_write_waits_for_its_task():
+    """An aborted save cancels what is in flight (storage/inflight.py, abort=True): the
+    future of a chunk task stays pending until the task has ended (it reads the caller's
+    data), and a task not yet at its write does not write."""
+    import concurrent.futures as cf
+
+    f = _tensorstore._Guarded()
+    assert f.cancel() is False and not f.done()
+    assert f.issue(lambda: pytest.fail("a cancelled task wrote")) is None
+    f.end(_tensorstore._stopped())
+    with pytest.raises(zarrckpt.StorageError, match="cancelled"):
+        f.result(timeout=1)
+    g = _tensorstore._Guarded()
+    inner = cf.Future()
+    assert g.issue(lambda: inner) is inner
+    inner.add_done_callback(g.end_with)
+    assert g.cancel() is False and inner.cancelled() and g.done()  # the write's cancel ends it
+    with pytest.raises(cf.CancelledError):
+        g.result(timeout=1)

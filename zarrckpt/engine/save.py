@@ -279,7 +279,8 @@ class ChunkWriter:
             if link is not None and link[1] == crc and getattr(rec.previous, "bucket", None) is not None:
                 # S3: the previous checkpoint's object, copied server-side (or written if that fails)
                 future = self.store.copy_or_write_plain_chunk(key, index, data, crc, rec.previous.object_key(index),
-                                                              rec.previous.bucket, self.content.linked)
+                                                              rec.previous.bucket, self.content.linked,
+                                                              rec.previous.tried)
             else:
                 future = self.store.write_plain_chunk(key, index, data, crc)
         else:
@@ -316,8 +317,8 @@ class ChunkWriter:
         finally:
             self.store.close()
         self.store.flush()
-        if self.content is not None and self.content.previous is not None and self.content.linked:
-            self.content.previous.confirm()
+        if self.content is not None and self.content.previous is not None:
+            self.content.previous.confirm()  # S3, after any copy tried: PREV unchanged
 
     def stop(self) -> None:
         """After an error: wait for the writes in flight, ignoring theirs (object stores:

@@ -61,6 +61,7 @@ class Previous:
         self.crc_tables = crc_tables
         self.content = content
         self._check = check  # S3: PREV, re-read after the copies (confirm)
+        self.tried: list[int] = []  # S3: bytes of every copy attempted (appended by the copier)
         self._arrays: dict[str, PreviousArray | None] = {}
 
     @classmethod
@@ -86,7 +87,7 @@ class Previous:
             if (tspec.get("driver"), tspec.get("bucket"), tspec.get("endpoint")) != \
                     ("s3", spec["bucket"], spec.get("endpoint")):
                 why = "it is on S3 and the save is not in the same bucket of the same endpoint"
-            elif getattr(target, "copier", None) is None:
+            elif target.enable_copies() is None:
                 why = "server-side copies are not available (see the warning before)"
             else:
                 directory, bucket = spec.get("path", "").rstrip("/"), spec["bucket"]
@@ -115,7 +116,7 @@ class Previous:
         be the checkpoint whose records were compared (copies are of whatever its keys hold
         when made; a PREV deleted meanwhile failed them and they were written). Raises where
         another save replaced it; links on file systems need no check (they are of inodes)."""
-        if self._check is None:
+        if self._check is None or not self.tried:
             return
         try:
             self._check.check_unchanged()
@@ -151,5 +152,5 @@ class Previous:
                               else "/".join(p for p in (self.directory, key.strip("/")) if p), doc,
                               np.frombuffer(content, np.uint8).reshape(*grid, HASH_BYTES),
                               np.frombuffer(crcs, "<u4").reshape(units))
-        array.bucket = self.bucket
+        array.bucket, array.tried = self.bucket, self.tried
         return array

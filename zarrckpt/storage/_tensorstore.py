@@ -605,19 +605,7 @@ class TensorStoreArray(Array):
         or where the copy fails, the TensorStore write of ``data``."""
         u = self._units
         index = tuple(a // c for (a, _), c in zip(box, u.chunk))
-        out: cf.Future = cf.Future()
-
-        def end(error: BaseException | None = None) -> None:
-            with contextlib.suppress(cf.InvalidStateError):  # cancelled meanwhile (an aborted save)
-                out.set_exception(error) if error is not None else out.set_result(None)
-
-        def settle(f: Any) -> None:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - handed to the future
-                end(e)
-            else:
-                end()
+        out = _Guarded()
 
         def task() -> None:
             try:
@@ -625,17 +613,24 @@ class TensorStoreArray(Array):
                 record.hashes[index] = digest
                 if crcs is not None:
                     crcs[...] = unit
+                if out.stopped:
+                    out.end(_stopped())
+                    return
                 prev = record.previous
                 if (prev is not None and self.copier is not None and self.copy_to is not None
                         and getattr(prev, "bucket", None) == self.copier.bucket
                         and prev.matches(index, digest, unit)
-                        and self.copier.copy(prev.object_key(index), self.copy_to(index), data.nbytes)):
+                        and self.copier.copy(prev.object_key(index), self.copy_to(index), data.nbytes, prev.tried)):
                     record.linked.append(data.nbytes)
-                    end()
+                    out.end()
                     return
-                self._region(box).write(data, can_reference_source_data_indefinitely=stable).add_done_callback(settle)
+                w = out.issue(lambda: self._region(box).write(data, can_reference_source_data_indefinitely=stable))
+                if w is None:
+                    out.end(_stopped())
+                else:
+                    w.add_done_callback(out.end_with)
             except BaseException as e:  # noqa: BLE001 - handed to the future
-                end(e)
+                out.end(e)
 
         _pool(_CRC_THREADS).submit(task)
         return out
@@ -787,6 +782,57 @@ def _gated(main: Any, checks: list[cf.Future]) -> cf.Future:
     return out
 
 
+class _Guarded(cf.Future):
+    """The future of a pool task that reads the caller's data and then copies or writes (an
+    incremental save's chunk): an aborted save's ``cancel()`` keeps the task from starting its
+    copy or write and cancels a TensorStore write it issued already, but, as :class:`_Both`,
+    the future stays pending until the task has ended, so whoever waits for it knows the
+    data is no longer read and nothing more lands in the location."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stopped = False
+        self._inner: Any = None
+        self._guard = threading.Lock()
+
+    def cancel(self) -> bool:
+        with self._guard:
+            self._stopped = True
+            inner = self._inner
+        if inner is not None:
+            inner.cancel()
+        return False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def issue(self, start: Callable[[], Any]) -> Any:
+        """``start()`` (a TensorStore write), unless cancelled first: then None."""
+        with self._guard:
+            if self._stopped:
+                return None
+            self._inner = start()
+            return self._inner
+
+    def end(self, error: BaseException | None = None) -> None:
+        with contextlib.suppress(cf.InvalidStateError):
+            self.set_exception(error) if error is not None else self.set_result(None)
+
+    def end_with(self, f: Any) -> None:
+        """Done as the TensorStore future ``f`` is."""
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - handed to this future
+            self.end(e)
+        else:
+            self.end()
+
+
+def _stopped() -> StorageError:
+    return StorageError("cancelled: the save failed elsewhere before this chunk was written")
+
+
 class _Both(cf.Future):
     """Done when a TensorStore write and the CRC task beside it are; cancelling it cancels
     the write (an aborted save's writes on object stores)."""
@@ -842,6 +888,7 @@ class TensorStoreStorage(_base.Storage):
         # directories the small-file writers made (a stale entry costs the old fallback:
         # the open fails and makes the directory)
         self._made: set[str] = set()
+        self._copies = False  # enable_copies: an incremental save on S3 copies unchanged chunks
 
     @property
     def url(self) -> str:
@@ -1159,7 +1206,7 @@ class TensorStoreStorage(_base.Storage):
             return _done(local)
         opened = _Opened(ts.open(self._array_spec(key, metadata), open=True, assume_metadata=True,
                                  context=self._context), key, metadata)
-        copier = self.copier
+        copier = self.copier if self._copies else None
         if copier is not None:  # incremental saves to S3: unchanged chunks copied server-side
             sep = metadata.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
             base = self._spec.get("path", "") + key.strip("/") + "/"
@@ -1167,23 +1214,29 @@ class TensorStoreStorage(_base.Storage):
         return opened
 
     def copy_or_write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray, crc: int,
-                                  source: str, bucket: str, linked: list[int]) -> cf.Future:
+                                  source: str, bucket: str, linked: list[int], tried: list[int]) -> cf.Future:
         copier = self.copier
         if copier is None or copier.bucket != bucket:
             return self.write_plain_chunk(array_key, index, data, crc)
         dst = self._spec.get("path", "") + f"{array_key.strip('/')}/{chunk_key(index)}"
-        out: cf.Future = cf.Future()
+        out = _Guarded()
 
         def task() -> None:
             try:
-                if copier.copy(source, dst, data.nbytes):
-                    linked.append(data.nbytes)
-                    out.set_result(None)
+                if out.stopped:
+                    out.end(_stopped())
                     return
-                self.write_plain_chunk(array_key, index, data, crc).add_done_callback(
-                    lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(None))
+                if copier.copy(source, dst, data.nbytes, tried):
+                    linked.append(data.nbytes)
+                    out.end()
+                    return
+                w = out.issue(lambda: self.write_plain_chunk(array_key, index, data, crc))
+                if w is None:
+                    out.end(_stopped())
+                else:
+                    w.add_done_callback(out.end_with)
             except BaseException as e:  # noqa: BLE001 - handed to the future
-                out.set_exception(e)
+                out.end(e)
 
         _pool(_CRC_THREADS).submit(task)
         return out
@@ -1197,6 +1250,14 @@ class TensorStoreStorage(_base.Storage):
         from . import s3copy
 
         return s3copy.copier(self._spec)
+
+    def enable_copies(self) -> Any:
+        """An incremental save from a checkpoint in this bucket: its arrays opened for writing
+        from now on copy unchanged chunks (:meth:`open_for_write`); the copier, or None (then
+        nothing is copied)."""
+        copier = self.copier
+        self._copies = copier is not None
+        return copier
 
     def open_for_read(self, key: str, metadata: dict[str, Any], positions: np.ndarray | None = None) -> Any:
         local = self._local_array(key, metadata, positions)

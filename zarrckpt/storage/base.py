@@ -266,11 +266,11 @@ class Storage(abc.ABC):
         return self.put(f"{array_key}/{chunk_key(index)}", body + crc.to_bytes(4, "little"))
 
     def copy_or_write_plain_chunk(self, array_key: str, index: tuple[int, ...], data: np.ndarray, crc: int,
-                                  source: str, bucket: str, linked: list[int]) -> cf.Future:
+                                  source: str, bucket: str, linked: list[int], tried: list[int]) -> cf.Future:
         """An incremental save's unchanged small chunk on an object store: a server-side copy
         of ``source`` (its key in ``bucket``, the previous checkpoint's chunk, which the caller
         found equal: spec §7.9) where this storage can copy (its size then appended to
-        ``linked``), else :meth:`write_plain_chunk`."""
+        ``linked``; every attempt's to ``tried``), else :meth:`write_plain_chunk`."""
         return self.write_plain_chunk(array_key, index, data, crc)
 
     # ---- listing ------------------------------------------------------------------

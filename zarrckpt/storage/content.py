@@ -78,6 +78,7 @@ class PreviousArray:
         self.separator = doc["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
 
     bucket: str | None = None  # S3: the bucket ``directory`` (then a key prefix) is in
+    tried: list[int] | None = None  # S3: the bytes of every copy attempted (shared by the save's arrays)
 
     def path(self, index: tuple[int, ...]) -> str:
         return os.path.join(self.directory, self.separator.join(["c", *map(str, index)]))

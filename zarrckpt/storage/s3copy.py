@@ -15,10 +15,12 @@ It saves the node's bandwidth and the save's time, not storage (object stores do
 bytes between objects). Objects over 5 GiB cannot be copied by one request; zarrckpt's chunks
 target 256 MiB (Appendix C.1), and a larger one is written.
 
-Credentials are those the save's TensorStore spec uses (``_tensorstore._s3_settings``):
-anonymous, explicit keys and a profile with static keys are passed on as they are; the AWS
-chain (web identity, container and instance credentials) is left to ``obstore``'s own
-environment lookup; a profile that needs ``credential_process`` or assume-role has no copy.
+Credentials are those the save's TensorStore spec uses (``_tensorstore._s3_settings``), and
+so is the endpoint (AWS's regional one where the spec names none): anonymous, explicit keys,
+environment keys and a profile with static keys are handed over by a credential provider
+(never mixed with other ``AWS_*`` variables); the AWS chain (web identity, container and
+instance credentials) is left to ``obstore``'s own lookup; a profile that needs
+``credential_process``, assume-role or SSO gets no copies.
 """
 
 from __future__ import annotations
@@ -70,13 +72,17 @@ class Copier:
         self.endpoint = endpoint
         self.bucket = bucket
 
-    def copy(self, src: str, dst: str, nbytes: int) -> bool:
+    def copy(self, src: str, dst: str, nbytes: int, tried: list[int] | None = None) -> bool:
         """Copy object ``src`` to ``dst`` (keys in the bucket); False (counted, logged) where
-        it failed: the caller writes the chunk."""
+        it failed: the caller writes the chunk. ``tried`` gets ``nbytes`` appended before the
+        request: a copy that timed out here may still complete on the server, so the save
+        checks the previous checkpoint after any attempt (``Previous.confirm``)."""
         import obstore
 
         if nbytes > MAX_COPY_BYTES:
             return False
+        if tried is not None:
+            tried.append(nbytes)
         try:
             obstore.copy(self._store, src, dst)
         except Exception as e:  # noqa: BLE001 - any failure: write instead
@@ -104,41 +110,74 @@ def copier(spec: dict[str, Any]) -> Copier | None:
 
 
 def _make(spec: dict[str, Any], creds: dict[str, Any]) -> Copier | None:
+    """An obstore store that talks to the same endpoint as the same identity as the save's
+    TensorStore spec. Its own environment lookups (``AWS_ENDPOINT``, ``AWS_SESSION_TOKEN``,
+    ...) must not change either: the endpoint and region are always given, and where the
+    spec's credentials are keys they come from a provider, so none is taken from the
+    environment."""
     try:
         from obstore.store import S3Store
     except ImportError:
         _once('obstore is not installed (pip install "zarrckpt[s3copy]")')
         return None
-    config: dict[str, Any] = {"region": spec.get("aws_region") or "us-east-1"}
-    endpoint = spec.get("endpoint")
-    if endpoint:
-        config["endpoint"] = endpoint
+    region = spec.get("aws_region") or "us-east-1"
+    endpoint = spec.get("endpoint") or f"https://s3.{region}.amazonaws.com"
+    config: dict[str, Any] = {"region": region, "endpoint": endpoint}
+    keys = None
     kind = creds.get("type")
     if kind == "anonymous":
         config["skip_signature"] = True
     elif kind == "profile":
-        section = _section(creds.get("credentials_file", ""), creds.get("profile", "default"))
+        profile = creds.get("profile", "default")
+        section = {**_section(creds.get("config_file", ""), f"profile {profile}"),
+                   **_section(creds.get("config_file", ""), profile),
+                   **_section(creds.get("credentials_file", ""), profile)}
         if not section.get("aws_access_key_id"):
-            _once(f"profile {creds.get('profile')!r} has no static keys obstore can use")
+            _once(f"profile {profile!r} has no static keys obstore can use")
             return None
-        config["access_key_id"] = section["aws_access_key_id"]
-        config["secret_access_key"] = section.get("aws_secret_access_key", "")
-        if section.get("aws_session_token"):
-            config["token"] = section["aws_session_token"]
+        keys = (section["aws_access_key_id"], section.get("aws_secret_access_key", ""),
+                section.get("aws_session_token") or None)
     elif kind == "environment":
-        config["access_key_id"] = os.environ.get("AWS_ACCESS_KEY_ID", "")
-        config["secret_access_key"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
-        if os.environ.get("AWS_SESSION_TOKEN"):
-            config["token"] = os.environ["AWS_SESSION_TOKEN"]
-    # "default": obstore's own chain (environment, web identity, container, instance)
-    client = {"allow_http": True} if (endpoint or "").startswith("http://") else {}
+        keys = (os.environ.get("AWS_ACCESS_KEY_ID", ""), os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+                os.environ.get("AWS_SESSION_TOKEN") or None)
+    elif kind == "default":
+        # the AWS chain: obstore's own covers web identity, container and instance roles, not
+        # what a profile gets through credential_process, assume-role or SSO
+        from ._tensorstore import _INDIRECT, _aws_files, _profile_section
+
+        profile = creds.get("profile") or "default"
+        _, creds_file, config_file = _aws_files(_NoOptions())
+        found = {**(_profile_section(config_file, profile, True) or {}),
+                 **(_profile_section(creds_file, profile, False) or {})}
+        if any(k in found for k in _INDIRECT):
+            _once(f"profile {profile!r} gets its credentials in a way obstore cannot (credential_process, "
+                  "assume-role or SSO)")
+            return None
+    else:
+        _once(f"credentials of kind {kind!r}")
+        return None
+    provider = None
+    if keys is not None:
+        key_id, secret, token = keys
+
+        def provider() -> dict[str, Any]:
+            return {"access_key_id": key_id, "secret_access_key": secret, "token": token, "expires_at": None}
+    client: dict[str, Any] = {"timeout": datetime.timedelta(minutes=10)}  # a copy of up to 5 GiB is one request
+    if endpoint.startswith("http://"):
+        client["allow_http"] = True
     try:
-        store = S3Store(spec["bucket"], config=config, client_options=client,
-                        retry_config={"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=30)})
+        store = S3Store(spec["bucket"], config=config, client_options=client, credential_provider=provider,
+                        retry_config={"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=60)})
     except Exception as e:  # noqa: BLE001 - no copies, the save writes
         _once(f"obstore cannot open the bucket ({e})")
         return None
     return Copier(store, endpoint, spec["bucket"])
+
+
+class _NoOptions:
+    """What ``_tensorstore._aws_files`` reads of a ``StorageOptions``: no profile named."""
+
+    profile = None
 
 
 def _section(path: str, profile: str) -> dict[str, str]:
