@@ -1249,7 +1249,14 @@ class TensorStoreStorage(_base.Storage):
             return None
         from . import s3copy
 
-        return s3copy.copier(self._spec)
+        creds, chain = self._spec.get("aws_credentials") or {}, True
+        if creds.get("type") == "default":  # the AWS chain: not through a profile obstore cannot use
+            profile = creds.get("profile") or "default"
+            _, creds_file, config_file = _aws_files(self._options)
+            found = {**(_profile_section(config_file, profile, True) or {}),
+                     **(_profile_section(creds_file, profile, False) or {})}
+            chain = not any(k in found for k in _INDIRECT)
+        return s3copy.copier(self._spec, chain)
 
     def enable_copies(self) -> Any:
         """An incremental save from a checkpoint in this bucket: its arrays opened for writing

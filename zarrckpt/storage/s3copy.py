@@ -93,10 +93,12 @@ class Copier:
         return True
 
 
-def copier(spec: dict[str, Any]) -> Copier | None:
+def copier(spec: dict[str, Any], chain: bool = True) -> Copier | None:
     """The copier of an S3 kvstore spec (bucket, endpoint, region, credentials as
     TensorStore takes them), one per process and spec; None where copies cannot be made
-    (not S3, ``obstore`` missing, credentials it cannot use): the chunks are then written."""
+    (not S3, ``obstore`` missing, credentials it cannot use): the chunks are then written.
+    ``chain``: credentials of kind ``default`` (the AWS chain) come from a source obstore's
+    own chain reads too (not a profile's ``credential_process``, role or SSO)."""
     if spec.get("driver") != "s3":
         return None
     creds = spec.get("aws_credentials") or {}
@@ -104,12 +106,12 @@ def copier(spec: dict[str, Any]) -> Copier | None:
     with _lock:
         if key in _copiers:
             return _copiers[key]
-    made = _make(spec, creds)
+    made = _make(spec, creds, chain)
     with _lock:
         return _copiers.setdefault(key, made)
 
 
-def _make(spec: dict[str, Any], creds: dict[str, Any]) -> Copier | None:
+def _make(spec: dict[str, Any], creds: dict[str, Any], chain: bool) -> Copier | None:
     """An obstore store that talks to the same endpoint as the same identity as the save's
     TensorStore spec. Its own environment lookups (``AWS_ENDPOINT``, ``AWS_SESSION_TOKEN``,
     ...) must not change either: the endpoint and region are always given, and where the
@@ -142,16 +144,10 @@ def _make(spec: dict[str, Any], creds: dict[str, Any]) -> Copier | None:
                 os.environ.get("AWS_SESSION_TOKEN") or None)
     elif kind == "default":
         # the AWS chain: obstore's own covers web identity, container and instance roles, not
-        # what a profile gets through credential_process, assume-role or SSO
-        from ._tensorstore import _INDIRECT, _aws_files, _profile_section
-
-        profile = creds.get("profile") or "default"
-        _, creds_file, config_file = _aws_files(_NoOptions())
-        found = {**(_profile_section(config_file, profile, True) or {}),
-                 **(_profile_section(creds_file, profile, False) or {})}
-        if any(k in found for k in _INDIRECT):
-            _once(f"profile {profile!r} gets its credentials in a way obstore cannot (credential_process, "
-                  "assume-role or SSO)")
+        # what a profile gets through credential_process, assume-role or SSO (``chain``)
+        if not chain:
+            _once(f"profile {creds.get('profile')!r} gets its credentials in a way obstore cannot "
+                  "(credential_process, assume-role or SSO)")
             return None
     else:
         _once(f"credentials of kind {kind!r}")
@@ -172,12 +168,6 @@ def _make(spec: dict[str, Any], creds: dict[str, Any]) -> Copier | None:
         _once(f"obstore cannot open the bucket ({e})")
         return None
     return Copier(store, endpoint, spec["bucket"])
-
-
-class _NoOptions:
-    """What ``_tensorstore._aws_files`` reads of a ``StorageOptions``: no profile named."""
-
-    profile = None
 
 
 def _section(path: str, profile: str) -> dict[str, str]:
