@@ -236,3 +236,34 @@ def test_a_cancelled_copy_or_write_waits_for_its_task():
     assert g.cancel() is False and inner.cancelled() and g.done()  # the write's cancel ends it
     with pytest.raises(cf.CancelledError):
         g.result(timeout=1)
+
+
+def test_a_save_that_fails_between_copies_leaves_every_step_as_it_was(s3, monkeypatch):
+    """The save fails after two copies (the third raises past the copier's own fallback, as a
+    crash in it would: the error surfaces as it is): PREV
+    is untouched and loads bit for bit, the new step is not committed, and the same save
+    run again completes, copying."""
+    o = opts(s3)
+    run = s3.url(s3.fresh_prefix() + "k")
+    sa = state(1.0)
+    zarrckpt.save(sa, f"{run}/a", storage=o, content_hashes=True)
+    real = s3copy.Copier.copy
+    calls = []
+
+    def third_fails(self, src, dst, nbytes, tried=None):
+        calls.append(src)
+        if len(calls) == 3:
+            raise RuntimeError("connection lost (test)")
+        return real(self, src, dst, nbytes, tried)
+
+    monkeypatch.setattr(s3copy.Copier, "copy", third_fails)
+    sb = state(2.0)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        zarrckpt.save(sb, f"{run}/b", storage=o, incremental_from=f"{run}/a")
+    check(f"{run}/a", o, sa)
+    with pytest.raises(zarrckpt.ZarrckptError):
+        zarrckpt.load_state_dict(f"{run}/b", storage=o)
+    monkeypatch.setattr(s3copy.Copier, "copy", real)
+    rep = zarrckpt.save(sb, f"{run}/b", storage=o, incremental_from=f"{run}/a", overwrite=True)
+    assert rep["bytes_linked"] == 4 * ROWS * 1024 * 4
+    check(f"{run}/b", o, sb)
