@@ -95,21 +95,16 @@ class Previous:
             why = "it is not on a local or parallel file system"
         elif target is not None and getattr(target, "local_path", None) is None:
             why = "it is on a file system and the save is not"
-        if why is not None:
-            pass
-        elif info.chunk_tables is None or info.consolidated is None:
+        if why is None and (info.chunk_tables is None or info.consolidated is None):
             why = f"it is format {info.version} (chunk positions start with 1.3)"
-        elif not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
-                  and isinstance(content.get("chunks"), dict)):
+        elif why is None and not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
+                                  and isinstance(content.get("chunks"), dict)):
             why = "its root records no content hashes (save it with content_hashes=True)"
         if why is not None:
             log.warning("zarrckpt: nothing can be linked from %s: %s; writing every chunk", ck.url, why)
             return None
-        if bucket is not None:
-            return cls(directory, dict(info.consolidated), dict(info.chunk_tables), dict(content["chunks"]),
-                       bucket, ck)
-        return cls(os.path.realpath(directory), dict(info.consolidated), dict(info.chunk_tables),
-                   dict(content["chunks"]))
+        return cls(directory if bucket is not None else os.path.realpath(directory), dict(info.consolidated),
+                   dict(info.chunk_tables), dict(content["chunks"]), bucket, ck if bucket is not None else None)
 
     def confirm(self) -> None:
         """After every chunk was written or copied, before the commit: on S3, PREV must still

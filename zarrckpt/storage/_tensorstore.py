@@ -613,22 +613,14 @@ class TensorStoreArray(Array):
                 record.hashes[index] = digest
                 if crcs is not None:
                     crcs[...] = unit
-                if out.stopped:
-                    out.end(_stopped())
-                    return
                 prev = record.previous
-                if (prev is not None and self.copier is not None and self.copy_to is not None
-                        and getattr(prev, "bucket", None) == self.copier.bucket
-                        and prev.matches(index, digest, unit)
-                        and self.copier.copy(prev.object_key(index), self.copy_to(index), data.nbytes, prev.tried)):
-                    record.linked.append(data.nbytes)
-                    out.end()
-                    return
-                w = out.issue(lambda: self._region(box).write(data, can_reference_source_data_indefinitely=stable))
-                if w is None:
-                    out.end(_stopped())
-                else:
-                    w.add_done_callback(out.end_with)
+                out.copy_or_write(
+                    lambda: (prev is not None and self.copier is not None and prev.bucket == self.copier.bucket
+                             and prev.matches(index, digest, unit)
+                             and self.copier.copy(prev.object_key(index), self.copy_to(index), data.nbytes,
+                                                  prev.tried)),
+                    lambda: self._region(box).write(data, can_reference_source_data_indefinitely=stable),
+                    data.nbytes, record.linked)
             except BaseException as e:  # noqa: BLE001 - handed to the future
                 out.end(e)
 
@@ -803,10 +795,6 @@ class _Guarded(cf.Future):
             inner.cancel()
         return False
 
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
     def issue(self, start: Callable[[], Any]) -> Any:
         """``start()`` (a TensorStore write), unless cancelled first: then None."""
         with self._guard:
@@ -818,6 +806,23 @@ class _Guarded(cf.Future):
     def end(self, error: BaseException | None = None) -> None:
         with contextlib.suppress(cf.InvalidStateError):
             self.set_exception(error) if error is not None else self.set_result(None)
+
+    def copy_or_write(self, copy: Callable[[], bool], write: Callable[[], Any], nbytes: int,
+                      linked: list[int]) -> None:
+        """In the task: unless cancelled, ``copy()`` (True: copied, ``nbytes`` appended to
+        ``linked``, done), else ``write()`` (a future this one then follows)."""
+        if self._stopped:
+            self.end(_stopped())
+            return
+        if copy():
+            linked.append(nbytes)
+            self.end()
+            return
+        w = self.issue(write)
+        if w is None:
+            self.end(_stopped())
+        else:
+            w.add_done_callback(self.end_with)
 
     def end_with(self, f: Any) -> None:
         """Done as the TensorStore future ``f`` is."""
@@ -1223,18 +1228,8 @@ class TensorStoreStorage(_base.Storage):
 
         def task() -> None:
             try:
-                if out.stopped:
-                    out.end(_stopped())
-                    return
-                if copier.copy(source, dst, data.nbytes, tried):
-                    linked.append(data.nbytes)
-                    out.end()
-                    return
-                w = out.issue(lambda: self.write_plain_chunk(array_key, index, data, crc))
-                if w is None:
-                    out.end(_stopped())
-                else:
-                    w.add_done_callback(out.end_with)
+                out.copy_or_write(lambda: copier.copy(source, dst, data.nbytes, tried),
+                                  lambda: self.write_plain_chunk(array_key, index, data, crc), data.nbytes, linked)
             except BaseException as e:  # noqa: BLE001 - handed to the future
                 out.end(e)
 

@@ -48,12 +48,15 @@ def xxh3_128(bodies: Iterable[Any]) -> bytes:
 
 chunk_hash = xxh3_128  # tests replace it with a double that always collides
 
-_counts = {"chunks_linked": 0, "bytes_linked": 0, "link_failures": 0}
+# linked on file systems; copied server-side on S3 (s3copy.py)
+_counts = {"chunks_linked": 0, "bytes_linked": 0, "link_failures": 0, "chunks_copied": 0, "bytes_copied": 0,
+           "copy_failures": 0}
 _counts_lock = threading.Lock()
 
 
 def counters() -> dict[str, int]:
-    """Chunks and data bytes this process linked instead of writing (since start), and links refused."""
+    """Chunks and data bytes this process linked (or, on S3, copied) instead of writing
+    (since start), and links refused (copies failed)."""
     with _counts_lock:
         return dict(_counts)
 

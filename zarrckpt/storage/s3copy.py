@@ -32,28 +32,18 @@ import os
 import threading
 from typing import Any
 
+from .content import count as _count
+from .content import counters  # chunks_copied, bytes_copied, copy_failures (beside the links')
+
 log = logging.getLogger("zarrckpt")
 
 __all__ = ["Copier", "MAX_COPY_BYTES", "copier", "counters"]
 
 MAX_COPY_BYTES = 5 << 30  # one CopyObject request copies at most 5 GiB
 
-_counts = {"chunks_copied": 0, "bytes_copied": 0, "copy_failures": 0}
 _lock = threading.Lock()
 _copiers: dict[tuple, Copier | None] = {}
 _warned: set[str] = set()
-
-
-def counters() -> dict[str, int]:
-    """Chunks and data bytes this process copied server-side instead of writing, and copies that failed."""
-    with _lock:
-        return dict(_counts)
-
-
-def _count(**kw: int) -> None:
-    with _lock:
-        for k, v in kw.items():
-            _counts[k] += v
 
 
 def _once(why: str) -> None:
