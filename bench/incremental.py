@@ -2,6 +2,7 @@
 
     python bench/incremental.py --dir /dev/shm/zinc [--mib 1024] [--tensors 64] [--reps 5] [--world 1]
     python bench/incremental.py --s3 [--mib 256] ...   # S3: a SeaweedFS server started here (tests/_s3.py)
+    python bench/incremental.py --device cuda --dir ...  # the state on the GPU: staging and hashing there
 
 State: ``--tensors`` fp32 tensors of ``--mib`` MiB in all, 90 % of the bytes "frozen" (never
 change), 10 % "trained" (changed before every save). Per repetition, in rotated order:
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="frozen-case steps for the disk-use figure")
     ap.add_argument("--s3", action="store_true", help="save to a SeaweedFS S3 server started here")
+    ap.add_argument("--device", default="cpu", help="where the state lives (cpu, cuda)")
     a = ap.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
@@ -79,10 +81,10 @@ def main() -> None:
     n = a.tensors
     per = (a.mib << 20) // n // 4
     g = torch.Generator().manual_seed(0)
-    sd = {f"t{i:03d}": torch.randn(per, generator=g) for i in range(n)}
+    sd = {f"t{i:03d}": torch.randn(per, generator=g).to(a.device) for i in range(n)}
     trained = [k for k in sorted(sd)][: max(1, n // 10)]
     print(f"{a.mib} MiB in {n} tensors, {len(trained)} trained ({100 * len(trained) / n:.0f} % of the bytes), "
-          f"dir {a.dir}")
+          f"dir {a.dir}, device {a.device}")
     prev = f"{base}/prev"
     zarrckpt.save(sd, prev, content_hashes=True, storage=storage)
     times: dict[str, list[float]] = {"plain": [], "frozen": [], "changed": []}
@@ -95,6 +97,8 @@ def main() -> None:
                     sd[k].add_(1.0)
             path = f"{base}/{kind}{rep}"
             opts = {} if kind == "plain" else {"incremental_from": prev}
+            if a.device != "cpu":
+                torch.cuda.synchronize()
             _sync(a.dir)
             t0 = time.perf_counter()
             rep_ = zarrckpt.save(sd, path, storage=storage, **opts)
