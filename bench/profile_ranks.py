@@ -109,7 +109,8 @@ def main() -> None:
                 lsecs = timed(lambda: dcp.load(sd, checkpoint_id=path))
             lok = verify_checksums(sd, ref, True) and saved
             mine = {"rank": rank, "system": s, "rep": rep, "save_s": secs, "save_ok": ok, "load_s": lsecs,
-                    "load_ok": lok, "save_timings": rep_save.get("seconds"), "load_timings": rep_load.get("seconds")}
+                    "load_ok": lok, "save_timings": rep_save.get("seconds"), "load_timings": rep_load.get("seconds"),
+                    "load_read": rep_load.get("read_seconds")}
             got = [None] * world
             dist.all_gather_object(got, mine)
             rows.extend(got)
@@ -118,7 +119,8 @@ def main() -> None:
                 print(f"rep {rep} {s}: save {tag(ok, secs)} ({nbytes * world / secs / 1e9:.2f} GB/s), "
                       f"load {tag(lok, lsecs)} ({nbytes * world / lsecs / 1e9:.2f} GB/s)", flush=True)
                 for r in got:
-                    print(f"   rank {r['rank']} save {_fmt(r['save_timings'])} | load {_fmt(r['load_timings'])}")
+                    print(f"   rank {r['rank']} save {_fmt(r['save_timings'])} | load {_fmt(r['load_timings'])}"
+                          + (f" | read: {_fmt(r['load_read'])}" if r.get("load_read") else ""))
                 shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
     if rank == 0:

@@ -44,6 +44,7 @@ from ..distributed import group as zdist
 from ..format import dtypes
 from ..format import tree as ztree
 from ..storage.inflight import InFlight
+from ..storage._localfile import ReadBatch
 from ..planning.state import checked_target, is_array_leaf, is_stateful, needs_initialized_state, owner_of, resolve_stateful
 from ..errors import (
     DTypeMismatchError,
@@ -115,12 +116,15 @@ class LoadRun:
         self.timings: dict[str, float] = {}
         self.progress = progress
         self.read_total = 0  # bytes this rank reads itself (progress)
+        self.read_phases: dict[str, float] = {}  # _Reads.phases: where the read phase went
 
     def _timed(self, name: str, t0: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
     def open(self) -> None:
+        t0 = time.perf_counter()
         self.ckpt = Checkpoint(self.path, self.storage)
+        self._timed("open", t0)
 
     def match(self) -> None:
         t0 = time.perf_counter()
@@ -220,6 +224,8 @@ class LoadRun:
         with self.ckpt.reading():  # one read: the root is checked after it (spec §7.3)
             self._read_all()
         self._timed("read", t0)
+        if self.reads is not None:
+            self.read_phases = self.reads.phases(self.timings["read"])
 
     def _read_all(self) -> None:
         ckpt = self.ckpt
@@ -294,7 +300,8 @@ class LoadRun:
                 "bytes_fetched": (reads.bytes_fetched if reads else 0) + shared.get("bytes_fetched", 0),
                 "shared_reads": self.shared,
                 "missing": self.missing, "unexpected": self.unexpected,
-                "seconds": {**self.timings, "total": sum(self.timings.values())}}
+                "seconds": {**self.timings, "total": sum(self.timings.values())},
+                "read_seconds": self.read_phases}
 
 
 def _opaque(leaf: Any) -> bool:
@@ -469,6 +476,7 @@ class _Reads:
         self.max_staging_bytes = min(max_staging_bytes, want + (1 << 16))
         self.stage_piece_bytes = max(1, min(self.piece_bytes, self.max_staging_bytes // 2 - 128))
         self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
+        self.small = ReadBatch()  # small reads not yet handed to a reader thread
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.halves: list = []  # the arena's two halves (double buffering), once needed
         self.half_np: list[np.ndarray] = []  # NumPy views of them
@@ -477,6 +485,17 @@ class _Reads:
         self.scratch: dict[tuple[int, torch.device], torch.Tensor] = {}  # see _scratch
         self.bytes_needed = 0
         self.bytes_fetched = 0
+        self.copy_s = 0.0  # issuing the copies out of the arena (_switch)
+        self.sync_s = 0.0  # waiting for a half's device copies before reading into it again
+
+    def phases(self, total: float) -> dict[str, float]:
+        """Where the read phase's ``total`` seconds went on the calling thread: waiting for
+        reads (the in-flight bound, a half's reads before its copies), issuing copies out of
+        the arena, waiting for device copies, and the rest (issuing the reads)."""
+        pending = getattr(self.pending, "inner", self.pending)
+        wait = pending.waited
+        return {"wait_reads": wait, "copy": self.copy_s, "device_sync": self.sync_s,
+                "issue": max(0.0, total - wait - self.copy_s - self.sync_s)}
 
     def add(self, key: str, info: Any, boxes: list, local: torch.Tensor, direct: bool | None = None,
             base: np.ndarray | None = None) -> None:
@@ -495,6 +514,7 @@ class _Reads:
         unit = info.inner_chunk_shape or info.chunk_shape  # the smallest unit a read fetches
         itemsize = info.dtype.numpy.itemsize
         tile = None if direct or not info.shape else self.ckpt.tile_shape(key)
+        files = self.ckpt.local_array(key)  # small reads of it go in batches (ReadBatch)
         for gbox, lbox in boxes:
             if any(a == b for a, b in gbox):
                 continue
@@ -508,7 +528,7 @@ class _Reads:
                 cost = unit_elements(pg, unit, info.shape) * itemsize
                 if direct:  # straight into the target
                     view = base[_slices(pl)] if pl else base
-                    self.pending.add(key, self.ckpt.read_into(key, pg, view), max(view.nbytes, cost))
+                    self._read(key, files, pg, view, False, max(view.nbytes, cost))
                     continue
                 # piece by piece through the staging arena, then copied (and cast): whole
                 # stored inner chunks as they lie in the file where the piece is made of them
@@ -518,10 +538,27 @@ class _Reads:
                 view = self._staging((math.prod(grid), *tile), info, local, pl, (grid, tile, pg)) \
                     if grid else None
                 if view is not None:
-                    self.pending.add(key, self.ckpt.read_tiles(key, pg, view), view.nbytes)
+                    self._read(key, files, pg, view, True, view.nbytes)
                     continue
                 view = self._staging(tuple(b - a for a, b in pg), info, local, pl)
-                self.pending.add(key, self.ckpt.read_into(key, pg, view), max(view.nbytes, cost))
+                self._read(key, files, pg, view, False, max(view.nbytes, cost))
+
+    def _read(self, key: str, files: Any, box: tuple, out: np.ndarray, tiles: bool, cost: int) -> None:
+        """Read ``box`` of ``key`` into ``out`` (its tiles, with ``tiles``): a small read of an
+        array whose files are read directly (``files``) joins the batch (one pool task for
+        many), others start now."""
+        if files is not None and cost <= ReadBatch.SMALL:
+            self.small.add(files, key, box, out, tiles, cost)
+            if self.small.full:
+                self._submit_small()
+            return
+        read = self.ckpt.read_tiles if tiles else self.ckpt.read_into
+        self.pending.add(key, read(key, box, out), cost)
+
+    def _submit_small(self) -> None:
+        batch = self.small.submit()
+        if batch is not None:
+            self.pending.add(*batch)
 
     def _staging(self, shape: tuple[int, ...], info: Any, target: torch.Tensor, pl: tuple,
                  tiling: tuple | None = None) -> np.ndarray | None:
@@ -553,8 +590,10 @@ class _Reads:
     def _switch(self) -> None:
         """Wait for the reads into the current half, start its copies to the targets, and
         make the other half current once its own copies are done."""
+        self._submit_small()
         self.pending.wait()
         events = []
+        t0 = time.perf_counter()
         with torch.no_grad():
             for target, pl, src in self.batch:
                 dst = target[_slices(pl)] if pl else target
@@ -573,8 +612,11 @@ class _Reads:
         self.batch = []
         self.copying[self.cur] = events
         self.cur ^= 1
+        t1 = time.perf_counter()
+        self.copy_s += t1 - t0
         for ev in self.copying[self.cur]:
             ev.synchronize()
+        self.sync_s += time.perf_counter() - t1
         self.copying[self.cur] = []
         if self.halves:
             self.halves[self.cur].reset()

@@ -266,6 +266,11 @@ class CheckpointView:
         :meth:`reading`)."""
         return self._ck._read_into(self._full(key), tuple((int(a), int(b)) for a, b in box), out)
 
+    def local_array(self, key: str) -> Any:
+        """The array that reads leaf ``key``'s chunk files directly (its ``read_now`` runs a
+        read in the calling thread: :class:`~zarrckpt.storage._localfile.ReadBatch`), or None."""
+        return self._ck._local(self._full(key))
+
     def tile_shape(self, key: str) -> tuple[int, ...] | None:
         """The tile shape :meth:`read_tiles` reads for an array leaf (its stored inner chunk
         shape), or None where its storage cannot read tiles (packed leaves, TensorStore)."""
@@ -522,6 +527,15 @@ class Checkpoint(CheckpointView):
             out[...] = self._packed_leaf(key)[tuple(slice(a, b) for a, b in box)]
             return _done()
         return self._stored(key).read_into(box, out)
+
+    def _local(self, key: str) -> Any:
+        """The :class:`~zarrckpt.storage._localfile.LocalArray` that reads leaf ``key``'s
+        chunk files directly, or None (a packed leaf, an array read through TensorStore)."""
+        node = self._leaves.get(key)
+        if node is not None and "packed" in node[1]:
+            return None
+        array = self._stored(key)
+        return array if getattr(array, "read_now", None) is not None else None
 
     def _tile_shape(self, key: str) -> tuple[int, ...] | None:
         node = self._leaves.get(key)

@@ -45,7 +45,7 @@ from ..format import dtypes
 from ..errors import CorruptChunkError, FormatError
 
 
-__all__ = ["ChunkCodec", "LocalArray", "check_index", "chunk_codec", "counters", "file_type", "fill_scalar",
+__all__ = ["ChunkCodec", "LocalArray", "ReadBatch", "check_index", "chunk_codec", "counters", "file_type", "fill_scalar",
            "inner_offset", "misplaced", "release_buffers", "unit_crcs", "unit_digest", "units_codec"]
 
 Box = tuple[tuple[int, int], ...]
@@ -86,7 +86,7 @@ class ChunkCodec:
     def fill_value(self) -> np.ndarray:
         return np.zeros((), self.dtype) if self.fill is None else self.fill
 
-    @property
+    @functools.cached_property
     def unit_grid(self) -> tuple[int, ...]:
         """Units (inner chunks, or chunks) per dimension that overlap the array (spec §6.6)."""
         return tuple(-(-n // i) for n, i in zip(self.shape, self.inner))
@@ -104,20 +104,20 @@ class ChunkCodec:
             out = out * u + c * g + k
         return out
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         """Inner chunks per chunk, per dimension."""
         return tuple(c // i for c, i in zip(self.chunk, self.inner))
 
-    @property
+    @functools.cached_property
     def count(self) -> int:
         return math.prod(self.grid)
 
-    @property
+    @functools.cached_property
     def inner_nbytes(self) -> int:
         return math.prod(self.inner) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def index_nbytes(self) -> int:
         return 16 * self.count + 4 if self.sharded else 0
 
@@ -408,7 +408,7 @@ class LocalArray(Array):
         self.positions = positions
         self._pool = _pool(threads)
         self._dirs: set[str] = set()
-        self._index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
+        self._index: dict[tuple[int, ...], tuple[list, int]] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -668,30 +668,71 @@ class LocalArray(Array):
 
     def _read_into(self, box: Box, out: np.ndarray) -> cf.Future:
         """Read the global ``box`` into ``out`` (a possibly strided view of its shape)."""
+        units = self._box_units(box)
+        if not units:
+            return _Group(0).future
+        origin = tuple(a for a, _ in box)
+        pieces = list(_split(units, self.codec.inner_nbytes + 4, PIECE_BYTES))
+        group = _Group(len(pieces), self._bool_check(box, out))
+        for piece in pieces:
+            whole = self._whole_chunks(piece) if self._small else frozenset()
+            self._pool.submit(group.run, lambda piece=piece, whole=whole:
+                              self._read_units(box, origin, out, piece, whole))
+        return group.future
+
+    def read_now(self, box: Box, out: np.ndarray, tiles: bool) -> None:
+        """:meth:`read_tiles` (``tiles``) or :meth:`read_into` of ``box`` done in the calling
+        thread, a reader thread running a :class:`ReadBatch`."""
+        if tiles:
+            units = self._tile_units(box, out)
+            if units:
+                self._read_tiles(units)
+        else:
+            units = self._box_units(box)
+            if units:
+                self._read_units(box, tuple(a for a, _ in box), out, units,
+                                 self._whole_chunks(units) if self._small else frozenset())
+        check = self._bool_check(box, out)
+        if check is not None:
+            check()
+
+    @functools.cached_property
+    def _small(self) -> bool:
+        """Chunk files small enough to read whole when every inner chunk is wanted."""
         c = self.codec
-        units = []  # (chunk index, inner chunk) pairs that meet the box
+        return c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES
+
+    def _box_units(self, box: Box) -> list:
+        """(chunk index, inner chunk) pairs that meet ``box``, in file order."""
+        c = self.codec
+        if any(b <= a for a, b in box):
+            return []
+        units = []
         first = [a // cs for (a, _), cs in zip(box, c.chunk)]
         last = [(b - 1) // cs for (_, b), cs in zip(box, c.chunk)]
-        if any(b <= a for a, b in box):
-            return _Group(0).future
         for index in itertools.product(*[range(f, l + 1) for f, l in zip(first, last)]):
             ranges = [range((max(a, i * cs) - i * cs) // n, (min(b, (i + 1) * cs) - 1 - i * cs) // n + 1)
                       for (a, b), i, cs, n in zip(box, index, c.chunk, c.inner)]
             units.extend((index, j) for j in itertools.product(*ranges))
-        origin = tuple(a for a, _ in box)
-        pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
-        small = c.sharded and c.count * c.inner_nbytes <= WHOLE_FILE_BYTES
-        group = _Group(len(pieces), self._bool_check(box, out))
-        for piece in pieces:
-            whole = self._whole_chunks(piece) if small else frozenset()
-            self._pool.submit(group.run, lambda piece=piece, whole=whole:
-                              self._read_units(box, origin, out, piece, whole))
-        return group.future
+        return units
 
     def tile_shape(self) -> tuple[int, ...] | None:
         return self.codec.inner if self.codec.sharded else None
 
     def read_tiles(self, box: Box, out: np.ndarray) -> cf.Future:
+        units = self._tile_units(box, out)
+        if not units:
+            return _Group(0).future
+        pieces = list(_split(units, self.codec.inner_nbytes + 4, PIECE_BYTES))
+        group = _Group(len(pieces), self._bool_check(box, out))
+        for piece in pieces:
+            self._pool.submit(group.run, lambda piece=piece: self._read_tiles(piece))
+        return group.future
+
+    def _tile_units(self, box: Box, out: np.ndarray) -> list:
+        """(chunk index, inner chunk, its tile in ``out``) for every tile of ``box``, in C
+        order of the global inner chunk grid; ValueError for a box or output that does not
+        fit :meth:`read_tiles`."""
         c = self.codec
         counts = tile_grid(box, c.inner, c.shape) if c.sharded else None
         if counts is None or out.shape != (math.prod(counts), *c.inner) or out.dtype != c.dtype \
@@ -699,19 +740,15 @@ class LocalArray(Array):
             raise ValueError(f"{self.key}: read_tiles({box}) needs a box on tile boundaries and an output of "
                              f"{math.prod(counts or ())} tiles of {c.inner}, {c.dtype}, contiguous; "
                              f"got {out.shape}, {out.dtype}")
-        lo = [a // n for (a, _), n in zip(box, c.inner)]
         if not out.size:
-            return _Group(0).future
-        units = []  # (chunk index, inner chunk, tile) in C order of the global inner chunk grid
+            return []
+        lo = [a // n for (a, _), n in zip(box, c.inner)]
+        units = []
         for k, g in enumerate(np.ndindex(*counts)):
             g = [x + l for x, l in zip(g, lo)]
             units.append((tuple(x * n // cs for x, n, cs in zip(g, c.inner, c.chunk)),
                           tuple(x * n % cs // n for x, n, cs in zip(g, c.inner, c.chunk)), out[k]))
-        pieces = list(_split(units, c.inner_nbytes + 4, PIECE_BYTES))
-        group = _Group(len(pieces), self._bool_check(box, out))
-        for piece in pieces:
-            self._pool.submit(group.run, lambda piece=piece: self._read_tiles(piece))
-        return group.future
+        return units
 
     def _read_tiles(self, units: list) -> None:
         """Read ``units`` ((chunk index, inner chunk, its tile in the output)) whole."""
@@ -726,7 +763,7 @@ class LocalArray(Array):
                         fd = -1
                     fd, at = self._open_chunk(index), index
                     table, end = self._table(fd, index)
-                off = inner_offset(table, self.codec, j, end, lambda: self._where(index, j))
+                off = self._offset(table, index, j, end)
                 run.add(fd, off, index, j, None, tile)
             run.flush(fd)
         finally:
@@ -793,8 +830,8 @@ class LocalArray(Array):
         if stored != want:
             raise misplaced(self._where(index, j), stored, want)
 
-    def _table(self, fd: int, index: tuple[int, ...]) -> tuple[np.ndarray, int]:
-        """(the shard index as (count, 2) uint64, where the inner chunks end), checked; kept
+    def _table(self, fd: int, index: tuple[int, ...]) -> tuple[list, int]:
+        """(the shard index as :meth:`_parse_index`'s list, where the inner chunks end), checked; kept
         for later reads of the chunk (a file that shrinks later fails those as truncated)."""
         c = self.codec
         known = self._index.get(index)
@@ -811,16 +848,33 @@ class LocalArray(Array):
         known = self._index[index] = (self._parse_index(raw, index, size - n), size - n)
         return known
 
-    def _parse_index(self, raw: Any, index: tuple[int, ...], end: int) -> np.ndarray:
-        """The shard index (its bytes and CRC-32C) as (count, 2) uint64, checked: its CRC,
-        and every present entry inside the shard (:func:`check_index`)."""
+    def _parse_index(self, raw: Any, index: tuple[int, ...], end: int) -> list:
+        """The shard index (its bytes and CRC-32C) as a list of ``[offset, nbytes]`` per inner
+        chunk in C order, checked: its CRC, and every present entry inside the shard
+        (:func:`check_index`; a short loop where the shard holds few inner chunks)."""
         if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
         table = np.frombuffer(raw[:-4], dtype="<u8").reshape(self.codec.count, 2)
-        check_index(table, self.codec, end, lambda j: self._where(index, j))
-        return table
+        if self.codec.count > 64:
+            check_index(table, self.codec, end, lambda j: self._where(index, j))
+            return table.tolist()
+        entries = table.tolist()
+        for k, (off, nbytes) in enumerate(entries):
+            if (off > end or nbytes > end - off) and not (off == _ABSENT and nbytes == _ABSENT):
+                check_index(table, self.codec, end, lambda j: self._where(index, j))  # raises, naming it
+        return entries
 
-    def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, np.ndarray, int]:
+    def _offset(self, entries: list, index: tuple[int, ...], j: tuple[int, ...], end: int) -> int:
+        """:func:`inner_offset` from the list :meth:`_parse_index` returns."""
+        k = 0
+        for x, g in zip(j, self.codec.grid):
+            k = k * g + x
+        off, nbytes = entries[k]
+        if nbytes == self.codec.inner_nbytes + 4 and off + nbytes <= end:
+            return off
+        return inner_offset(np.array(entries, dtype=np.uint64), self.codec, j, end, lambda: self._where(index, j))
+
+    def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, list, int]:
         """(the whole chunk file, its checked index, where the inner chunks end), one read."""
         c = self.codec
         size = os.fstat(fd).st_size
@@ -865,7 +919,7 @@ class LocalArray(Array):
                         if end != c.inner_nbytes:
                             raise CorruptChunkError(f"{self._where(index)}: {end + 4} bytes, expected "
                                                     f"{c.inner_nbytes + 4}")
-                off = inner_offset(table, c, j, end, lambda: self._where(index, j)) if c.sharded else 0
+                off = self._offset(table, index, j, end) if c.sharded else 0
                 ibox = c.inner_box(index, j)
                 if data is None and all(a <= ia and ib <= b and ib - ia == n
                                         for (a, b), (ia, ib), n in zip(box, ibox, c.inner)):
@@ -1021,6 +1075,53 @@ class _Buffers:
 
 
 _RUN_BUFFERS = _Buffers(256 << 20)
+
+
+class ReadBatch:
+    """Small reads of many arrays as one pool task: a load of thousands of small tensors
+    otherwise makes a task, a future and a hand-off between the calling thread and a reader
+    thread per tensor, and on a many-core host each hand-off waits for the GIL. ``add`` a
+    read (:meth:`LocalArray.read_now`); when ``full``, ``submit`` it: one future, failing
+    with the first error, which names its array (``zarrckpt_key``)."""
+
+    MAX_BYTES = 8 << 20  # bytes per task
+    MAX_ITEMS = 64  # reads per task
+    SMALL = 4 << 20  # a read bigger than this goes on its own (split among threads)
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.nbytes = 0
+
+    def add(self, array: LocalArray, key: str, box: Box, out: np.ndarray, tiles: bool, nbytes: int) -> None:
+        self.items.append((array, key, box, out, tiles))
+        self.nbytes += nbytes
+
+    @property
+    def full(self) -> bool:
+        return self.nbytes >= self.MAX_BYTES or len(self.items) >= self.MAX_ITEMS
+
+    def submit(self) -> tuple[str, cf.Future, int] | None:
+        """(the first read's key, the future of them all, their bytes), or None when empty."""
+        items, nbytes = self.items, self.nbytes
+        if not items:
+            return None
+        self.items, self.nbytes = [], 0
+        group = _Group(1)
+        items[0][0]._pool.submit(group.run, lambda: _run_reads(items))
+        return items[0][1], group.future, nbytes
+
+
+def _run_reads(items: list) -> None:
+    for array, key, box, out, tiles in items:
+        try:
+            array.read_now(box, out, tiles)
+        except BaseException as e:  # noqa: BLE001 - named, then handed to the future
+            if getattr(e, "zarrckpt_key", None) is None:
+                try:
+                    e.zarrckpt_key = key
+                except AttributeError:  # pragma: no cover - an exception without a __dict__
+                    pass
+            raise
 
 
 def release_buffers() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,7 @@ class InFlight:
         self._cond = threading.Condition()
         self._running = 0
         self._failed: tuple[str, BaseException] | None = None
+        self.waited = 0.0  # seconds ``add`` and ``wait`` spent waiting (a load's report)
 
     def __enter__(self) -> InFlight:
         return self
@@ -70,6 +72,12 @@ class InFlight:
             with self._cond:
                 self._running += 1
             future.add_done_callback(lambda f, key=key: self._completed(key, f))
+        if self._bytes > self.limit and len(self._q) > 1:
+            t0 = time.perf_counter()
+            self._wait_under_limit()
+            self.waited += time.perf_counter() - t0
+
+    def _wait_under_limit(self) -> None:
         while self._bytes > self.limit and len(self._q) > 1:
             k, f, n = self._q[0]
             self._until(f.done)
@@ -80,6 +88,13 @@ class InFlight:
 
     def wait(self) -> None:
         """Wait for everything in flight; raise the first error (after all completed)."""
+        t0 = time.perf_counter()
+        try:
+            self._wait_all()
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def _wait_all(self) -> None:
         self._until(lambda: self._running == 0)
         self._raise_if_failed()
         items = list(self._q)
