@@ -63,8 +63,8 @@ def test_staged_loads_read_tiles_and_are_exact(tmp_path, monkeypatch, device):
     also when the pieces are split; a piece that does not fit half of a tiny arena falls
     back to reading the region itself. Values exact either way."""
     calls = []
-    real = _localfile.LocalArray.read_tiles
-    monkeypatch.setattr(_localfile.LocalArray, "read_tiles",
+    real = _localfile.LocalArray._tile_units  # tiles read alone (read_tiles) or in a batch (read_now)
+    monkeypatch.setattr(_localfile.LocalArray, "_tile_units",
                         lambda self, box, out: calls.append((self.key, box)) or real(self, box, out))
     g = torch.Generator().manual_seed(0)
     sd = {"w": torch.randn(300, 170, generator=g), "v": torch.randn(16384, 64, generator=g),
@@ -101,8 +101,8 @@ def test_a_region_off_tile_boundaries_is_read_as_itself(tmp_path, monkeypatch):
     """Resharded targets whose regions do not start on tile boundaries read the region (the
     tile path is taken only where a piece is made of whole inner chunks)."""
     calls = []
-    real = _localfile.LocalArray.read_tiles
-    monkeypatch.setattr(_localfile.LocalArray, "read_tiles",
+    real = _localfile.LocalArray._tile_units  # tiles read alone (read_tiles) or in a batch (read_now)
+    monkeypatch.setattr(_localfile.LocalArray, "_tile_units",
                         lambda self, box, out: calls.append(box) or real(self, box, out))
     w = torch.randn(64, 64)
     zarrckpt.save({"w": w}, tmp_path / "c", inner_chunk_bytes=1024)  # tiles of 16 x 16

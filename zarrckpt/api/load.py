@@ -44,7 +44,6 @@ from ..distributed import group as zdist
 from ..format import dtypes
 from ..format import tree as ztree
 from ..storage.inflight import InFlight
-from ..storage._localfile import ReadBatch
 from ..planning.state import checked_target, is_array_leaf, is_stateful, needs_initialized_state, owner_of, resolve_stateful
 from ..errors import (
     DTypeMismatchError,
@@ -57,7 +56,7 @@ from ..errors import (
 from ..format.layout import Layout, Replicate, slices as _slices, unit_elements
 from ..readers.checkpoint import Checkpoint, CheckpointView
 from ..distributed.staging import streaming_arena
-from ..storage import StorageOptions, tile_grid
+from ..storage import ReadBatch, StorageOptions, tile_grid
 from . import _progress, shared_reads
 from ._gc import paused
 

@@ -35,11 +35,11 @@ from ._tensorstore import (
     storage_error,
     translate_error,
 )
-from ._localfile import ChunkCodec, check_index, chunk_codec, file_type, inner_offset, misplaced, release_buffers
+from ._localfile import ChunkCodec, ReadBatch, check_index, chunk_codec, file_type, inner_offset, misplaced, release_buffers
 from .base import Array, Storage, plain_body, tile_grid
 from .memory import FaultStorage
 
-__all__ = ["Array", "ChunkCodec", "FaultStorage", "Storage", "StorageOptions", "check_index", "chunk_codec",
+__all__ = ["Array", "ChunkCodec", "FaultStorage", "ReadBatch", "Storage", "StorageOptions", "check_index", "chunk_codec",
            "file_type", "in_memory_array", "inner_offset", "io_counters", "kvstore_spec", "misplaced", "open_storage",
            "plain_body", "release_buffers", "status_code", "storage_error", "tile_grid", "translate_error"]
 

@@ -344,6 +344,7 @@ def _pool(threads: int) -> cf.ThreadPoolExecutor:
 _local = threading.local()
 _IOV_MAX = 1024  # buffers per pwritev/preadv call (Linux)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def file_type(mode: int) -> str:
@@ -761,8 +762,8 @@ class LocalArray(Array):
                     if fd >= 0:
                         os.close(fd)
                         fd = -1
-                    fd, at = self._open_chunk(index), index
-                    table, end = self._table(fd, index)
+                    (fd, size), at = self._open_chunk(index), index
+                    table, end = self._table(fd, index, size)
                 off = self._offset(table, index, j, end)
                 run.add(fd, off, index, j, None, tile)
             run.flush(fd)
@@ -808,20 +809,26 @@ class LocalArray(Array):
         self.read_into(box, out).add_done_callback(done)
         return result
 
-    def _open_chunk(self, index: tuple[int, ...]) -> int:
-        """Open a chunk file for reading after checking, without opening it, that it is a
-        regular file (spec §3.2: a FIFO or a device would block or never end a read). The
-        check is made here, in the reader thread, for the files a read needs, so a load
-        makes no metadata call for chunks it does not read."""
+    def _open_chunk(self, index: tuple[int, ...]) -> tuple[int, int]:
+        """(a chunk file opened for reading, its size), after checking that it is a regular
+        file (spec §3.2: a FIFO or a device would block or never end a read). Opened without
+        blocking (a FIFO's open would wait for a writer) and checked by ``fstat`` on the
+        descriptor: one path lookup and one metadata call per file, in the reader thread, so
+        a load makes no metadata call for chunks it does not read."""
         path = self._path(index)
         try:
-            mode = os.stat(path).st_mode
-            if not stat.S_ISREG(mode):
-                raise FormatError(f"{self._where(index)} ({path}) is {file_type(mode)}, not a regular file; "
-                                  "a chunk must be a regular file")
-            return os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptChunkError(f"{self._where(index)} is missing from storage") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{self._where(index)} ({path}) is {file_type(st.st_mode)}, not a regular file; "
+                                  "a chunk must be a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
 
     def _check_position(self, index: tuple[int, ...], j: tuple[int, ...], stored: int) -> None:
         """Spec §6.6: the (verified) CRC-32C of inner chunk ``j`` of chunk ``index`` is the
@@ -830,14 +837,13 @@ class LocalArray(Array):
         if stored != want:
             raise misplaced(self._where(index, j), stored, want)
 
-    def _table(self, fd: int, index: tuple[int, ...]) -> tuple[list, int]:
+    def _table(self, fd: int, index: tuple[int, ...], size: int) -> tuple[list, int]:
         """(the shard index as :meth:`_parse_index`'s list, where the inner chunks end), checked; kept
         for later reads of the chunk (a file that shrinks later fails those as truncated)."""
         c = self.codec
         known = self._index.get(index)
         if known is not None:
             return known
-        size = os.fstat(fd).st_size
         n = c.index_nbytes
         if size < n:
             raise CorruptChunkError(f"{self._where(index)} is truncated: {size} bytes, the index alone is {n}")
@@ -874,10 +880,9 @@ class LocalArray(Array):
             return off
         return inner_offset(np.array(entries, dtype=np.uint64), self.codec, j, end, lambda: self._where(index, j))
 
-    def _whole(self, fd: int, index: tuple[int, ...]) -> tuple[memoryview, list, int]:
+    def _whole(self, fd: int, index: tuple[int, ...], size: int) -> tuple[memoryview, list, int]:
         """(the whole chunk file, its checked index, where the inner chunks end), one read."""
         c = self.codec
-        size = os.fstat(fd).st_size
         n = c.index_nbytes
         if size < n:
             raise CorruptChunkError(f"{self._where(index)} is truncated: {size} bytes, the index alone is {n}")
@@ -907,15 +912,15 @@ class LocalArray(Array):
                     if fd >= 0:
                         os.close(fd)
                         fd = -1
-                    fd = self._open_chunk(index)
+                    fd, size = self._open_chunk(index)
                     at = index
                     data = None
                     if index in whole:
-                        data, table, end = self._whole(fd, index)
+                        data, table, end = self._whole(fd, index, size)
                     elif c.sharded:
-                        table, end = self._table(fd, index)
+                        table, end = self._table(fd, index, size)
                     else:
-                        end = os.fstat(fd).st_size - 4
+                        end = size - 4
                         if end != c.inner_nbytes:
                             raise CorruptChunkError(f"{self._where(index)}: {end + 4} bytes, expected "
                                                     f"{c.inner_nbytes + 4}")
