@@ -124,3 +124,18 @@ def test_a_bool_byte_other_than_0_or_1_in_a_batch_is_refused(tmp_path, tasks):
     chunk.write_bytes(bytes(data))
     with pytest.raises(errors.CorruptChunkError, match="m17"):
         zarrckpt.load({k: torch.zeros_like(v) for k, v in sd.items()}, path)
+
+
+def test_the_load_report_splits_the_read_phase(tmp_path):
+    """report['seconds'] times the open; report['read_seconds'] says where the read phase
+    went on the calling thread (BENCHMARKS.md reads it to tell a reader-bound load from a
+    caller-bound one)."""
+    sd = many(30)
+    zarrckpt.save(sd, tmp_path / "c")
+    report: dict = {}
+    zarrckpt.load(fresh_like(sd), tmp_path / "c", report=report)
+    assert report["seconds"]["open"] > 0
+    parts = report["read_seconds"]
+    assert set(parts) == {"wait_reads", "issue", "copy", "device_sync"}
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(report["seconds"]["read"], rel=1e-6, abs=1e-6)
