@@ -106,22 +106,28 @@ def many_small(rank: int, world: int, path: str) -> dict:
         reads.append(key)
         return real_get(self, key)
 
-    stats: list[str] = []
-    real_stat = os.stat
+    stats: list[str] = []  # metadata calls by path (stat) and chunk files opened (each then fstat-ed)
+    opened: list[str] = []
+    real_stat, real_open = os.stat, os.open
 
     def counting_stat(p, *a, **k):
         if str(p).startswith(str(path)):
             stats.append(os.path.relpath(p, path))
         return real_stat(p, *a, **k)
 
+    def counting_open(p, *a, **k):
+        if str(p).startswith(str(path)):
+            opened.append(os.path.relpath(p, path))
+        return real_open(p, *a, **k)
+
     cls.read_bytes, cls.get = read_bytes, get
-    os.stat = counting_stat
+    os.stat, os.open = counting_stat, counting_open
     try:
         target = state(True)
         zarrckpt.load(target, path)
     finally:
         cls.read_bytes, cls.get = real_bytes, real_get
-        os.stat = real_stat
+        os.stat, os.open = real_stat, real_open
     for i in range(N_SMALL):
         g = torch.Generator().manual_seed(i)
         want = torch.randn(32 * world, 64, generator=g).chunk(world)[rank]
@@ -131,6 +137,7 @@ def many_small(rank: int, world: int, path: str) -> dict:
     files = [os.path.relpath(f, path) for f in glob.glob(os.path.join(path, "**"), recursive=True)
              if os.path.isfile(f)]
     return {"documents_read": [k for k in reads if k.endswith("zarr.json")], "files": len(files), "stats": stats,
+            "opened": opened,
             "chunk_files": sum("/c/" in f or f.endswith("/c") for f in files)}
 
 

@@ -139,3 +139,23 @@ def test_the_load_report_splits_the_read_phase(tmp_path):
     assert set(parts) == {"wait_reads", "issue", "copy", "device_sync"}
     assert all(v >= 0 for v in parts.values())
     assert sum(parts.values()) == pytest.approx(report["seconds"]["read"], rel=1e-6, abs=1e-6)
+
+
+def test_a_smaller_in_flight_bound_makes_smaller_batches(tmp_path, tasks, monkeypatch):
+    """A batch holds at most a piece's bytes: max_inflight_bytes=1 MiB keeps each batch
+    within 1 MiB (and progress reported as they go), the default within 8 MiB."""
+    sd = {f"t{i:03d}": torch.randn(128, 128) for i in range(100)}  # 64 KiB each
+    zarrckpt.save(sd, tmp_path / "c")
+    sizes = []
+    real = _localfile.ReadBatch.submit
+
+    def submit(self):
+        sizes.append(self.nbytes)
+        return real(self)
+    monkeypatch.setattr(_localfile.ReadBatch, "submit", submit)
+    zarrckpt.load(fresh_like(sd), tmp_path / "c", max_inflight_bytes=1 << 20)
+    small = [n for n in sizes if n]
+    assert small and max(small) <= (1 << 20) + max(v.nbytes for v in sd.values())
+    sizes.clear()
+    zarrckpt.load(fresh_like(sd), tmp_path / "c")
+    assert max(n for n in sizes if n) > (1 << 20)  # 64 reads of 64 KiB: 4 MiB

@@ -117,6 +117,30 @@ def test_a_manager_copies_and_retention_keeps_every_step_whole(s3):
     check(url.rstrip("/") + "/step_00000003", o, state(3.0))
 
 
+def test_tier_promotions_copy_what_did_not_change(s3, tmp_path, monkeypatch):
+    """An incremental manager with tiers (spec §7.8, "Incremental tiers"): each promotion to
+    the bucket copies the unchanged chunks server-side from the step promoted before and
+    sends only the rest; retention then deletes the older steps and the newest still loads
+    bit for bit."""
+    monkeypatch.setenv("ZARRCKPT_NODE", "solo")
+    o = opts(s3)
+    url = s3.url(s3.fresh_prefix() + "t")
+    promotions = []
+    with zarrckpt.CheckpointManager(url, local_dir=str(tmp_path / "local"), local_replicas=1, persist_every=1,
+                                    keep_last=1, incremental=True, async_save=True, storage=o) as m:
+        for step in (1, 2, 3):
+            fut = m.save(step, state(float(step)))
+            fut.result()
+            m.wait()
+            promotions.append(fut.promotion)
+        assert m.steps() == [3]
+    frozen = 4 * ROWS * 1024 * 4
+    assert promotions[0]["bytes_linked"] == 0, promotions
+    for p in promotions[1:]:
+        assert "error" not in p and p["bytes_linked"] >= frozen and p["bytes_copied"] < frozen, p
+    check(url.rstrip("/") + "/step_00000003", o, state(3.0))
+
+
 def test_colliding_hashes_never_copy_different_bytes(s3, monkeypatch):
     """A content hash that always collides (a test double): the unit CRC-32Cs (spec §7.9
     check 4) still tell the changed chunks apart, so they are written, not copied."""

@@ -475,7 +475,9 @@ class _Reads:
         self.max_staging_bytes = min(max_staging_bytes, want + (1 << 16))
         self.stage_piece_bytes = max(1, min(self.piece_bytes, self.max_staging_bytes // 2 - 128))
         self.pending = InFlight(max_inflight_bytes, op="read")  # reads in flight
-        self.small = ReadBatch()  # small reads not yet handed to a reader thread
+        # small reads not yet handed to a reader thread: a batch holds at most a piece's bytes
+        # (8 MiB with the default bound of 256 MiB in flight; less under a smaller bound)
+        self.small = ReadBatch(min(ReadBatch.MAX_BYTES, self.piece_bytes))
         self.batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged) to copy
         self.halves: list = []  # the arena's two halves (double buffering), once needed
         self.half_np: list[np.ndarray] = []  # NumPy views of them

@@ -121,8 +121,11 @@ class CheckpointManager:
       committed step below it (rank 0's listing, shared) every chunk file whose content did
       not change (``save(incremental_from=...)``, spec §7.9): frozen parameters are written
       once. Each step stays a complete checkpoint; retention deletes steps as usual (a
-      hard-linked file lives while any step holds it). Local and parallel file systems;
-      elsewhere (object stores, the node tiers of ``local_dir``) every chunk is written.
+      hard-linked file lives while any step holds it). Local and parallel file systems link;
+      S3 copies server-side within a bucket (``obstore``); elsewhere every chunk is written.
+      With ``local_dir`` (tiers, spec §7.8): each node's copy links from its newest complete
+      copy, and a promotion links (or, on S3, copies) from the previous committed step of
+      the persistent root what did not change; replicas to peers are sent whole.
     * ``restore(..., cast=True)``: load checkpoints of other dtypes (a bf16 export into an
       fp32 model), and every other option of :func:`zarrckpt.load`.
 

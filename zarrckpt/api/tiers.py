@@ -234,6 +234,21 @@ def of_run(m: dict | None, run: str) -> bool:
     return isinstance(d, dict) and d.get("algorithm") == DIGEST_ALGORITHM and isinstance(d.get("keys"), dict)
 
 
+def newest_complete_copy(root: str, run: str, step: int) -> str | None:
+    """The directory of this node's newest copy of run ``run`` before ``step`` that holds
+    every node's files (its committed root is there: a plain checkpoint), or None."""
+    if not os.path.isdir(root):
+        return None
+    steps = sorted((s for s in (fmt.parse_step_name(n[:-len(MANIFEST_SUFFIX)]) for n in os.listdir(root)
+                                if n.endswith(MANIFEST_SUFFIX)) if s is not None and s < step), reverse=True)
+    for s in steps:
+        name = fmt.step_name(s)
+        m = read_manifest(root, name)
+        if of_run(m, run) and m.get("complete") and os.path.isfile(os.path.join(root, name, "zarr.json")):
+            return os.path.join(root, name)
+    return None
+
+
 def valid_nodes(root: str, m: dict) -> set[str]:
     """The nodes whose files this copy holds in full (present, with the recorded sizes)."""
     d = os.path.join(root, fmt.step_name(int(m["step"])))
@@ -553,8 +568,11 @@ class TierRun(SaveRun):
         self.tiers = tiers
         self.step = step
         self.name = fmt.step_name(step)
+        options = dict(tiers.mgr.save_options)
+        if getattr(tiers.mgr, "incremental", False):  # spec §7.9: hashes recorded, unchanged chunks linked
+            options["content_hashes"] = True
         super().__init__(state, os.path.join(tiers.node_root, self.name), tiers.mgr.process_group, True,
-                         SaveOptions.from_kwargs({k: v for k, v in tiers.mgr.save_options.items()}), metadata)
+                         SaveOptions.from_kwargs(options), metadata)
         self.lock: _commit.SaveLock | None = None
         self.committed_root: dict | None = None
         self.replica_bytes = 0
@@ -567,6 +585,19 @@ class TierRun(SaveRun):
         from dataclasses import asdict
 
         return json.dumps(["tier", self.name, asdict(self.options.plan)], sort_keys=True, default=str).encode()
+
+    def _content(self) -> Any:
+        """Incremental managers (``incremental=True``): hashes recorded, and chunks this rank
+        writes that did not change since this node's newest complete copy of the run (one
+        with its committed root: every node's files) are hard-linked from it (spec §7.9).
+        Replicas received from other nodes are written as sent."""
+        if not self.options.content_hashes:
+            return None
+        from ..readers.previous import Previous
+
+        prev = newest_complete_copy(self.tiers.node_root, self.tiers.run, self.step)
+        previous = Previous.open(prev, None, self.store) if prev is not None else None
+        return engine.Content(previous)
 
     def prepare(self) -> None:
         t0 = time.perf_counter()
@@ -612,17 +643,24 @@ class TierRun(SaveRun):
         try:
             mine = self._written_files()
             crcs = engine.pack_crcs(getattr(self, "chunk_crcs", None) or {})
+            content = getattr(self, "content", None)
+            hashes = content.hashes if content is not None else None
         except BaseException as e:  # noqa: BLE001
-            mine, crcs, error = None, None, e
-        views = g.all_gather((mine, crcs, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes))))
-        if not all(ok for _, _, ok, _ in views):
+            mine, crcs, hashes, error = None, None, None, e
+        views = g.all_gather((mine, crcs, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes)),
+                              hashes))
+        if not all(ok for _, _, ok, _, _ in views):
             g.agree(error or SaveFailedError("another rank failed"), "listing the local tier save's files",
                     SaveFailedError)
         # rank 0's committed root, with every rank's chunk CRCs (format 1.3, spec §6.6), to every rank
         root = None
         if g.rank == 0:
             try:
-                root = self._root("committed", chunk_crcs=engine.merge_crcs([engine.unpack_crcs(v[1]) for v in views]))
+                extra = {}
+                if self.options.content_hashes:  # spec §6.6.2: what later saves and promotions compare
+                    extra["content_hashes"] = engine.merge_crcs([v[4] or {} for v in views])
+                root = self._root("committed", chunk_crcs=engine.merge_crcs([engine.unpack_crcs(v[1]) for v in views]),
+                                  **extra)
             except BaseException as e:  # noqa: BLE001 - every rank learns it below
                 error = e
         self.committed_root = g.all_gather(root)[0]
@@ -855,11 +893,19 @@ class Tiers:
                 error = e
         if g.broadcast([skip])[0]:
             return {"skipped": "committed already"}
+        prev_step = -1  # incremental managers: the newest committed persistent step before this one
+        if g.rank == 0 and error is None and getattr(mgr, "incremental", False):
+            try:
+                prev_step = _previous_committed(mgr, run.step)
+            except Exception as e:  # noqa: BLE001 - nothing is reused; the promotion still copies
+                log.warning("zarrckpt: promoting step %d copies every file: listing the persistent root "
+                            "failed (%s)", run.step, e)
+        prev_step = g.broadcast([prev_step + 1])[0] - 1
         groups = fmt.group_paths(run.all_docs) if g.rank == 0 and error is None else []
         pending = run._root("pending") if g.rank == 0 and error is None else None
         target = engine.begin(g, location, run.save_id, True, pending, groups, error=error)
         error = None
-        copied = 0
+        copied = linked = 0
         try:
             if g.rank == nodes.leader:
                 store = _commit.save_store(location, run.save_id)
@@ -873,11 +919,16 @@ class Tiers:
                 group_docs = {f"{p}/zarr.json" for p in fmt.group_paths(run.all_docs)} | {"zarr.json"}
                 futures = []
                 inflight = 0
+                reuse = _Reuse.open(mgr.storage.child(fmt.step_name(prev_step)).url, mgr.save_options.get("storage"), store,
+                                    run.committed_root) if prev_step >= 0 else None
                 for rel, size in m["files"][me]:
                     if rel in group_docs:
                         continue
                     if _promotion_hook is not None:
                         _promotion_hook(rel)
+                    if reuse is not None and reuse.take(rel, size):
+                        linked += size
+                        continue
                     data = _read(src, rel)
                     if key_digest(rel, data) != digests.get(rel):  # never a damaged byte into persistent
                         raise StorageError(f"{src}/{rel} does not match its digest in the manifest of step "
@@ -891,6 +942,8 @@ class Tiers:
                         futures, inflight = [], 0
                 for f in futures:
                     f.result()
+                if reuse is not None:
+                    reuse.confirm()  # S3: the step copied from is the one compared
                 store.flush()
         except BaseException as e:  # noqa: BLE001 - reported at C2
             error = e
@@ -899,7 +952,8 @@ class Tiers:
         except BaseException:
             engine.abandon(g, target)
             raise
-        return {"path": location.url, "bytes_copied": copied, "seconds": time.perf_counter() - t0}
+        return {"path": location.url, "bytes_copied": copied, "bytes_linked": linked,
+                "seconds": time.perf_counter() - t0}
 
     # ---- waiting
 
@@ -1381,3 +1435,90 @@ class _Persistent:
             if self.states[s] == "committed":
                 return s
         return None
+
+
+def _previous_committed(mgr: Any, step: int) -> int:
+    """The newest committed step of the persistent root before ``step``, or -1."""
+    names = {s: n for n in mgr._children() if (s := fmt.parse_step_name(n)) is not None and s < step}
+    for s in sorted(names, reverse=True):
+        if mgr._root_state(names[s])[0] == "committed":
+            return s
+    return -1
+
+
+class _Reuse:
+    """An incremental manager's promotion: a chunk file whose bytes the previous committed
+    step of the persistent root holds (the same array metadata, content hash and unit
+    CRC-32Cs, spec §7.9, compared from the two roots without reading a chunk) is
+    hard-linked from it on file systems, or copied server-side from it on S3, instead of
+    sent from the node's local tier."""
+
+    def __init__(self, previous: Any, mine: Any, docs: dict, store: Any) -> None:
+        self.previous, self.mine, self.docs, self.store = previous, mine, docs, store
+        self.dirs: set[str] = set()
+        self.copier = store.copier if previous.bucket is not None else None
+
+    @classmethod
+    def open(cls, prev_url: str, storage_options: Any, store: Any, root: dict | None) -> _Reuse | None:
+        """None (everything is sent) where the step before records nothing to compare, is not
+        in the same file system or bucket, or this step's root records no content hashes."""
+        from ..readers.previous import Previous
+
+        if root is None:
+            return None
+        try:
+            info = fmt.parse_root(root, "the promoted step's root")
+            content = root.get("attributes", {}).get("zarrckpt", {}).get("digests", {}).get("content")
+        except Exception:  # noqa: BLE001
+            return None
+        if not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
+                and isinstance(content.get("chunks"), dict) and info.chunk_tables and info.consolidated):
+            return None
+        previous = Previous.open(prev_url, storage_options, store)
+        if previous is None:
+            return None
+        mine = Previous("", dict(info.consolidated), dict(info.chunk_tables), dict(content["chunks"]))
+        return cls(previous, mine, dict(info.consolidated), store)
+
+    def take(self, rel: str, size: int) -> bool:
+        """Link or copy file ``rel`` from the step before; False: send it."""
+        found = _chunk_of(rel, self.docs)
+        if found is None:
+            return False
+        key, index = found
+        doc = self.docs[key]
+        new, old = self.mine.array(key, doc), self.previous.array(key, doc)
+        if new is None or old is None or len(index) != new.hashes.ndim - 1 \
+                or any(i >= n for i, n in zip(index, new.hashes.shape)):
+            return False
+        part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, new.per))
+        if not old.matches(index, bytes(new.hashes[index]), new.crcs[part]):
+            return False
+        from ..storage import content
+
+        if self.copier is None:
+            return content.link(old.path(index), os.path.join(self.store.local_path, rel), self.dirs)
+        if not self.copier.copy(old.object_key(index), self.store.object_key(rel), size, self.previous.tried):
+            return False
+        content.count(chunks_copied=1, bytes_copied=size)
+        return True
+
+    def confirm(self) -> None:
+        self.previous.confirm()
+
+
+def _chunk_of(rel: str, docs: dict) -> tuple[str, tuple[int, ...]] | None:
+    """(array key, chunk index) of chunk file ``rel`` ("<key>/c/<i>/<j>..." with the default
+    "/" separator), or None for any other file."""
+    at = rel.rfind("/c/")
+    key, rest = (rel[:at], rel[at + 3:]) if at >= 0 else (rel[:-2], "") if rel.endswith("/c") else (None, None)
+    doc = docs.get(key) if key is not None else None
+    if not isinstance(doc, dict):
+        return None
+    enc = doc.get("chunk_key_encoding", {})
+    if enc.get("name") != "default" or enc.get("configuration", {}).get("separator", "/") != "/":
+        return None
+    parts = rest.split("/") if rest else []
+    if not all(p.isdigit() for p in parts) or len(parts) != len(doc.get("shape", ())):
+        return None
+    return key, tuple(int(p) for p in parts)

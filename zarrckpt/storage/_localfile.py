@@ -1093,9 +1093,10 @@ class ReadBatch:
     MAX_ITEMS = 64  # reads per task
     SMALL = 4 << 20  # a read bigger than this goes on its own (split among threads)
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.items: list = []
         self.nbytes = 0
+        self.max_bytes = max_bytes  # a load's smaller in-flight bound lowers it (progress, memory)
 
     def add(self, array: LocalArray, key: str, box: Box, out: np.ndarray, tiles: bool, nbytes: int) -> None:
         self.items.append((array, key, box, out, tiles))
@@ -1103,7 +1104,7 @@ class ReadBatch:
 
     @property
     def full(self) -> bool:
-        return self.nbytes >= self.MAX_BYTES or len(self.items) >= self.MAX_ITEMS
+        return self.nbytes >= self.max_bytes or len(self.items) >= self.MAX_ITEMS
 
     def submit(self) -> tuple[str, cf.Future, int] | None:
         """(the first read's key, the future of them all, their bytes), or None when empty."""

@@ -993,6 +993,11 @@ class TensorStoreStorage(_base.Storage):
             raise self._error(f"writing {self.url}/{key}", e) from e
         return bool(stamp.generation) or not if_equal
 
+    def object_key(self, key: str) -> str:
+        """S3: the key in the bucket of ``key`` under this storage (what a server-side copy
+        names: ``storage/s3copy.py``)."""
+        return self._spec.get("path", "") + key
+
     def put(self, key: str, data: bytes) -> Any:
         """On a local file system this is a plain file write from a small thread pool:
         TensorStore's file kvstore spends ~0.5 ms per object (temp file + rename), 5-7x more
