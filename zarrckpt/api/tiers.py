@@ -643,8 +643,8 @@ class TierRun(SaveRun):
         try:
             mine = self._written_files()
             crcs = engine.pack_crcs(getattr(self, "chunk_crcs", None) or {})
-            content = getattr(self, "content", None)
-            hashes = content.hashes if content is not None else None
+            recorded = getattr(self, "content", None)  # engine.Content of a hash-recording save
+            hashes = recorded.hashes if recorded is not None else None
         except BaseException as e:  # noqa: BLE001
             mine, crcs, hashes, error = None, None, None, e
         views = g.all_gather((mine, crcs, error is None, (self.tiers.message_bytes, self.tiers.lanes_for(nodes)),
@@ -1468,16 +1468,16 @@ class _Reuse:
             return None
         try:
             info = fmt.parse_root(root, "the promoted step's root")
-            content = root.get("attributes", {}).get("zarrckpt", {}).get("digests", {}).get("content")
+            recorded = root.get("attributes", {}).get("zarrckpt", {}).get("digests", {}).get("content")
         except Exception:  # noqa: BLE001
             return None
-        if not (isinstance(content, dict) and content.get("algorithm") == fmt.CONTENT_ALGORITHM
-                and isinstance(content.get("chunks"), dict) and info.chunk_tables and info.consolidated):
+        if not (isinstance(recorded, dict) and recorded.get("algorithm") == fmt.CONTENT_ALGORITHM
+                and isinstance(recorded.get("chunks"), dict) and info.chunk_tables and info.consolidated):
             return None
         previous = Previous.open(prev_url, storage_options, store)
         if previous is None:
             return None
-        mine = Previous("", dict(info.consolidated), dict(info.chunk_tables), dict(content["chunks"]))
+        mine = Previous("", dict(info.consolidated), dict(info.chunk_tables), dict(recorded["chunks"]))
         return cls(previous, mine, dict(info.consolidated), store)
 
     def take(self, rel: str, size: int) -> bool:
