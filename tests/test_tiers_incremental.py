@@ -44,12 +44,12 @@ def _shared(a: str, b: str) -> set[str]:
     return {k for k in fa if k in fb and (fa[k].st_ino, fa[k].st_dev) == (fb[k].st_ino, fb[k].st_dev)}
 
 
-def _run(tmp_path, monkeypatch, incremental: bool) -> tuple[str, str, list]:
+def _run(tmp_path, monkeypatch, incremental: bool, **kw) -> tuple[str, str, list]:
     monkeypatch.setenv("ZARRCKPT_NODE", "solo")
     local, persistent = str(tmp_path / "local"), str(tmp_path / "persistent")
     promotions = []
     with zarrckpt.CheckpointManager(persistent, local_dir=local, local_replicas=1, persist_every=1,
-                                    local_keep_last=5, incremental=incremental, async_save=True) as mgr:
+                                    local_keep_last=5, incremental=incremental, async_save=True, **kw) as mgr:
         for s in (1, 2, 3):
             fut = mgr.save(s, _state(s))
             fut.result()
@@ -108,3 +108,21 @@ def test_a_changed_chunk_with_the_same_hash_is_sent_not_linked(tmp_path, monkeyp
     assert not any(k.startswith("trained") for k in shared), shared
     sd = zarrckpt.load_state_dict(os.path.join(persistent, names[2]))
     assert torch.equal(torch.as_tensor(sd["trained"]), torch.full((256, 64), 3.0))
+
+
+def test_links_are_made_durable_one_by_one_with_fsync_each(tmp_path, monkeypatch):
+    """fsync="each": every file a promotion links is fsynced (as a linking save does);
+    with the default "end" the promotion's one syncfs covers them."""
+    from zarrckpt.storage import content
+
+    synced = []
+    real = content.fsync_path
+    monkeypatch.setattr(content, "fsync_path", lambda p: synced.append(p) or real(p))
+    local, persistent, promotions = _run(tmp_path, monkeypatch, incremental=True,
+                                         storage=zarrckpt.StorageOptions(fsync="each"))
+    name = fmt.step_name(3)
+    linked = _shared(os.path.join(persistent, fmt.step_name(2)), os.path.join(persistent, name))
+    assert linked
+    done = {os.path.relpath(p, persistent).replace(os.sep, "/") for p in synced}
+    for rel in linked:  # made durable inside the promotion's own directory, before its commit
+        assert any(d.endswith(rel) and d.startswith(".zarrckpt-") for d in done), (rel, sorted(done)[:5])

@@ -1497,7 +1497,12 @@ class _Reuse:
         from ..storage import content
 
         if self.copier is None:
-            return content.link(old.path(index), os.path.join(self.store.local_path, rel), self.dirs)
+            dst = os.path.join(self.store.local_path, rel)
+            if not content.link(old.path(index), dst, self.dirs):
+                return False
+            if getattr(getattr(self.store, "options", None), "fsync", None) == "each":
+                content.fsync_path(dst)  # as a linking save does; "end": the promotion's syncfs
+            return True
         if not self.copier.copy(old.object_key(index), self.store.object_key(rel), size, self.previous.tried):
             return False
         content.count(chunks_copied=1, bytes_copied=size)
