@@ -1491,8 +1491,7 @@ class _Reuse:
         if new is None or old is None or len(index) != new.hashes.ndim - 1 \
                 or any(i >= n for i, n in zip(index, new.hashes.shape)):
             return False
-        part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, new.per))
-        if not old.matches(index, bytes(new.hashes[index]), new.crcs[part]):
+        if not old.matches(index, bytes(new.hashes[index]), new.chunk_crcs(index)):
             return False
         from ..storage import content
 

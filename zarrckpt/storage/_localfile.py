@@ -861,13 +861,10 @@ class LocalArray(Array):
         if crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise CorruptChunkError(f"{self._where(index)}: its shard index fails its crc32c checksum")
         table = np.frombuffer(raw[:-4], dtype="<u8").reshape(self.codec.count, 2)
-        if self.codec.count > 64:
-            check_index(table, self.codec, end, lambda j: self._where(index, j))
-            return table.tolist()
         entries = table.tolist()
-        for k, (off, nbytes) in enumerate(entries):
-            if (off > end or nbytes > end - off) and not (off == _ABSENT and nbytes == _ABSENT):
-                check_index(table, self.codec, end, lambda j: self._where(index, j))  # raises, naming it
+        if self.codec.count > 64 or any((off > end or n > end - off) and not (off == _ABSENT and n == _ABSENT)
+                                        for off, n in entries):
+            check_index(table, self.codec, end, lambda j: self._where(index, j))  # raises where one is outside
         return entries
 
     def _offset(self, entries: list, index: tuple[int, ...], j: tuple[int, ...], end: int) -> int:

@@ -90,12 +90,15 @@ class PreviousArray:
         """S3: chunk ``index``'s key in :attr:`bucket`."""
         return "/".join(p for p in (self.directory, self.separator.join(["c", *map(str, index)])) if p)
 
+    def chunk_crcs(self, index: tuple[int, ...]) -> np.ndarray:
+        """The CRC-32Cs recorded for the units of chunk ``index`` (its part of the unit grid)."""
+        return self.crcs[tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.per))]
+
     def matches(self, index: tuple[int, ...], digest: bytes, unit_crcs: np.ndarray) -> bool:
         """Same content hash and the same CRC-32C for every unit of chunk ``index``."""
         if bytes(self.hashes[index]) != digest:
             return False
-        part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.per))
-        prev = self.crcs[part]
+        prev = self.chunk_crcs(index)
         return prev.shape == unit_crcs.shape and bool(np.array_equal(prev, unit_crcs))
 
 
@@ -105,8 +108,7 @@ class PreviousArray:
         (spec §7.9 check 4) before it links; else None."""
         if bytes(self.hashes[index]) != digest:
             return None
-        part = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.per))
-        crcs = self.crcs[part].reshape(-1)
+        crcs = self.chunk_crcs(index).reshape(-1)
         return (self.path(index), int(crcs[0])) if crcs.size == 1 else None
 
 
